@@ -1,0 +1,1 @@
+"""refit core: plan, packing, refit group and the coalescing broadcaster (no vllm, no megatron)."""

@@ -1,0 +1,307 @@
+"""Coalescing, multi-buffered broadcaster: one collective per bucket, N buffers in rotation.
+
+Protocol (identical collective sequence on every rank, whatever fails, so nothing can hang):
+  setup:   rank 0 broadcasts the plan; every rank checks it against its own (digest) and all
+           ranks learn of any mismatch through one all-gather.
+  refit:   per bucket one broadcast of [header | payload] from the bucket's source rank (an
+           oversize tensor: a header broadcast, then its bytes straight from / into the tensor);
+           then one all-gather of every rank's status, so every rank learns whether the refit
+           landed everywhere.
+The sender packs bucket k+1 while bucket k is on the wire (gloo works on its own thread; NCCL
+kernels run on the process group's stream while the pack runs on the compute stream). A buffer
+is reused only after the host has waited for its previous collective (with the timeout), so
+packing never overwrites bytes in flight and every wait can time out. On an error the sender
+keeps draining the weight source (its gathers stay in step on all training ranks) and sends
+ABORT headers instead of payloads; receivers stop loading at the first ABORT.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.errors import PlanMismatchError, RefitAborted, RefitError, TensorMismatchError
+from common.group import RefitGroup
+from common.packing import byte_view, pack, unpack
+from common.plan import Bucket, RefitPlan, TensorSpec, align_up, dtype_name
+from common.source import WeightSource
+from common.wire import HEADER_BYTES, STATUS_ABORT, STATUS_OK, Header
+
+log = logging.getLogger(__name__)
+_STATUS_BYTES = 480
+BucketCallback = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+@dataclass
+class RefitStats:
+    """What one refit moved and where its time went, on this rank."""
+
+    version: int
+    num_buckets: int
+    nbytes: int
+    seconds: float = 0.0
+    produce_s: float = 0.0  # iterating the weight source: gathers and conversions
+    pack_s: float = 0.0
+    wait_s: float = 0.0  # blocked on the refit group's collectives
+    load_s: float = 0.0  # receiver callback (e.g. model.load_weights)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
+
+    def summary(self) -> str:
+        return (f"refit v{self.version}: {self.nbytes / 1e6:.1f} MB in {self.num_buckets} buckets, "
+                f"{self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s; produce "
+                f"{self.produce_s * 1e3:.1f} ms, pack {self.pack_s * 1e3:.1f} ms, wait "
+                f"{self.wait_s * 1e3:.1f} ms, load {self.load_s * 1e3:.1f} ms)")
+
+
+def agree_on_plan(group: RefitGroup, plan: RefitPlan | None) -> RefitPlan:
+    """Setup handshake: every rank ends with rank 0's plan, or every rank raises.
+
+    A rank passing its own plan (every trainer, and a receiver that expects one) fails the
+    setup everywhere if it differs, and the error names the ranks and the first difference.
+    """
+    if group.rank == 0 and plan is None:
+        raise ValueError("refit rank 0 (the first trainer) must provide the plan")
+    data = group.broadcast_bytes(plan.to_json().encode() if group.rank == 0 else None, 0, "plan")
+    theirs = RefitPlan.from_json(data.decode())
+    problem = ""
+    if plan is not None and (diff := plan.difference(theirs)):
+        problem = f"plan {plan.digest[:12]} differs from rank 0's {theirs.digest[:12]}: {diff}"
+    if not problem and (bad := [b for b in theirs.buckets if b.source_rank >= group.num_trainers]):
+        problem = f"bucket {bad[0].index} has source rank {bad[0].source_rank}, not a trainer"
+    statuses = group.all_gather_bytes(problem.encode(), _STATUS_BYTES, "plan check")
+    failed = {r: s.decode(errors="replace") for r, s in enumerate(statuses) if s}
+    if failed:
+        lines = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+        raise PlanMismatchError(f"{group.who}: refit plan mismatch at setup: {lines}")
+    return theirs
+
+
+class _Endpoint:
+    """Buffers and the end-of-refit status exchange shared by sender and receiver."""
+
+    def __init__(self, group: RefitGroup, plan: RefitPlan) -> None:
+        self.group, self.plan = group, plan
+        self.num_buffers = plan.config.num_buffers
+        self.payload_start = align_up(HEADER_BYTES, plan.config.alignment)
+        size = self.payload_start + plan.buffer_bytes
+        dev = group.device
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=dev)
+                        for _ in range(self.num_buffers)]
+        self.headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8, device=dev)
+                        for _ in range(self.num_buffers)]
+
+    def header(self, bucket: Bucket, version: int, error: BaseException | None) -> Header:
+        if error is None:
+            return Header(bucket.index, len(self.plan.buckets), version, self.plan.digest)
+        return Header(bucket.index, len(self.plan.buckets), version, self.plan.digest,
+                      STATUS_ABORT, f"{type(error).__name__}: {error}")
+
+    def bucket_buffer(self, bucket: Bucket) -> torch.Tensor:
+        return self.buffers[bucket.index % self.num_buffers][: self.payload_start + bucket.nbytes]
+
+    def wait_all(self, works: Sequence[tuple[object, str]], stats: RefitStats) -> None:
+        t0 = time.perf_counter()
+        for work, what in works:
+            self.group.wait(work, what)
+        stats.wait_s += time.perf_counter() - t0
+
+    def finish(self, stats: RefitStats, error: BaseException | None, t0: float) -> RefitStats:
+        """Exchange every rank's status; raise on every rank if any rank failed."""
+        if self.group.device.type == "cuda":
+            torch.cuda.synchronize(self.group.device)
+        mine = "" if error is None else f"{type(error).__name__}: {error}"
+        statuses = self.group.all_gather_bytes(mine.encode(), _STATUS_BYTES,
+                                               f"refit v{stats.version} status")
+        stats.seconds = time.perf_counter() - t0
+        failed = {r: s.decode(errors="replace") for r, s in enumerate(statuses) if s}
+        if error is not None:
+            if isinstance(error, RefitError):
+                raise error
+            raise RefitError(f"{self.group.who}: refit v{stats.version} failed: {mine}") from error
+        if failed:
+            lines = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+            raise RefitAborted(f"{self.group.who}: refit v{stats.version} did not land "
+                               f"(failed on {sorted(failed)}): {lines}")
+        log.info("%s %s", self.group.who, stats.summary())
+        return stats
+
+
+def check_tensor(spec: TensorSpec, name: str, tensor: torch.Tensor | None) -> str | None:
+    """Why `tensor` cannot be sent as `spec`, or None."""
+    if name != spec.name:
+        return f"weight source yielded {name!r} where the plan expects {spec.name!r}"
+    if tensor is None:
+        return f"{spec.name!r}: no tensor on its source rank {spec.source_rank}"
+    if tuple(tensor.shape) != spec.shape:
+        return f"{spec.name!r}: shape {list(tensor.shape)} but the plan says {list(spec.shape)}"
+    if tensor.dtype != spec.dtype:
+        return (f"{spec.name!r}: dtype {dtype_name(tensor.dtype)} but the plan says "
+                f"{dtype_name(spec.dtype)} (the plan holds the declared output dtype; convert "
+                f"before yielding)")
+    return None
+
+
+class RefitSender(_Endpoint):
+    """Runs on every training rank; the plan's source ranks send, the others take part."""
+
+    @classmethod
+    def setup(cls, group: RefitGroup, plan: RefitPlan) -> RefitSender:
+        if not group.is_trainer:
+            raise ValueError(f"{group.who} is not a training rank; use RefitReceiver")
+        return cls(group, agree_on_plan(group, plan))
+
+    def _take(self, it: Iterator, bucket: Bucket, version: int) -> list:
+        specs = self.plan.bucket_specs(bucket)
+        items = []
+        for spec in specs:
+            try:
+                items.append(next(it))
+            except StopIteration:
+                raise RefitError(f"weight source ended at {spec.name!r} (tensor #{len(items)} "
+                                 f"of bucket {bucket.index}); the plan has more") from None
+        if self.group.rank != bucket.source_rank:
+            return [t for _, t in items]
+        for i, (spec, (name, tensor)) in enumerate(zip(specs, items, strict=True)):
+            if why := check_tensor(spec, name, tensor):
+                raise TensorMismatchError(f"{self.group.who}: refit v{version} bucket "
+                                          f"{bucket.index} tensor #{bucket.start + i} {why}")
+        return [t for _, t in items]
+
+    def refit(self, source: WeightSource, version: int) -> RefitStats:
+        """Send one complete set of weights, tagged `version`; returns this rank's stats."""
+        plan, group = self.plan, self.group
+        stats = RefitStats(version, len(plan.buckets), plan.total_bytes)
+        t0 = time.perf_counter()
+        it: Iterator | None = iter(source.iter_tensors(plan))
+        error: BaseException | None = None
+        pending: list[list] = [[] for _ in range(self.num_buffers)]
+        held: list[torch.Tensor | None] = [None] * self.num_buffers
+        for bucket in plan.buckets:
+            slot = bucket.index % self.num_buffers
+            # An oversize bucket starts only when nothing else is in flight: at most one
+            # oversize tensor is alive beyond the N buffers.
+            for s in range(self.num_buffers) if bucket.oversize else [slot]:
+                self.wait_all(pending[s], stats)
+                pending[s], held[s] = [], None
+            tensors: list = []
+            if it is not None:
+                t1 = time.perf_counter()
+                try:
+                    tensors = self._take(it, bucket, version)
+                except TensorMismatchError as e:
+                    error = error or e
+                except Exception as e:  # noqa: BLE001 - the source is broken: stop iterating
+                    error, it = error or e, None
+                stats.produce_s += time.perf_counter() - t1
+            is_src = group.rank == bucket.source_rank
+            header = self.header(bucket, version, error)
+            what = f"refit v{version} bucket {bucket.index}/{len(plan.buckets)}"
+            t1 = time.perf_counter()
+            if bucket.oversize:
+                hbuf = self.headers[slot]
+                if is_src:
+                    hbuf.copy_(header.encode())
+                payload = (byte_view(tensors[0].contiguous()) if is_src and error is None
+                           else torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device))
+                pending[slot] = [(group.broadcast(hbuf, bucket.source_rank), what + " header"),
+                                 (group.broadcast(payload, bucket.source_rank), what)]
+                held[slot] = payload  # alive until its broadcast is waited
+            else:
+                buf = self.bucket_buffer(bucket)
+                if is_src:
+                    buf[:HEADER_BYTES].copy_(header.encode())
+                    if error is None:
+                        pack(buf[self.payload_start :], plan.bucket_specs(bucket),
+                             bucket.offsets, tensors)
+                pending[slot] = [(group.broadcast(buf, bucket.source_rank), what)]
+            stats.pack_s += time.perf_counter() - t1
+            del tensors
+        for s in range(self.num_buffers):
+            self.wait_all(pending[s], stats)
+        if it is not None and error is None and next(it, None) is not None:
+            error = RefitError(f"{group.who}: weight source yields more tensors than the plan's "
+                               f"{len(plan.specs)}")
+        return self.finish(stats, error, t0)
+
+
+
+class RefitReceiver(_Endpoint):
+    """Runs on every inference rank: receives each bucket and hands its tensors to a callback."""
+
+    @classmethod
+    def setup(cls, group: RefitGroup, plan: RefitPlan | None = None) -> RefitReceiver:
+        """Join the plan handshake; pass `plan` to insist on it (mismatch fails everywhere)."""
+        if group.is_trainer:
+            raise ValueError(f"{group.who} is a training rank; use RefitSender")
+        return cls(group, agree_on_plan(group, plan))
+
+    def _post(self, bucket: Bucket) -> tuple[list, torch.Tensor | None]:
+        what = f"refit bucket {bucket.index}/{len(self.plan.buckets)}"
+        src = bucket.source_rank
+        if bucket.oversize:
+            spec = self.plan.specs[bucket.start]
+            target = torch.empty(spec.shape, dtype=spec.dtype, device=self.group.device)
+            hbuf = self.headers[bucket.index % self.num_buffers]
+            return [(self.group.broadcast(hbuf, src), what + " header"),
+                    (self.group.broadcast(byte_view(target), src), what)], target
+        return [(self.group.broadcast(self.bucket_buffer(bucket), src), what)], None
+
+    def receive(self, on_bucket: BucketCallback) -> RefitStats:
+        """Receive one refit; `on_bucket(list of (name, tensor))` is called once per bucket.
+
+        The tensors are views into a receive buffer that is reused as soon as the callback
+        returns: copy anything that must outlive the call. After the first failure (an ABORT
+        from the sender, or the callback raising) the remaining buckets are received but not
+        handed over, and every rank raises at the end.
+        """
+        plan, buckets = self.plan, self.plan.buckets
+        stats = RefitStats(-1, len(buckets), plan.total_bytes)
+        t0 = time.perf_counter()
+        posted: dict[int, tuple[list, torch.Tensor | None]] = {}
+        error: BaseException | None = None
+        expected: Header | None = None
+        next_post = 0
+        for bucket in buckets:
+            while next_post < len(buckets) and next_post < bucket.index + self.num_buffers:
+                if buckets[next_post].oversize and posted:
+                    break  # at most one oversize tensor beyond the N buffers
+                posted[next_post] = self._post(buckets[next_post])
+                next_post += 1
+            works, target = posted.pop(bucket.index)
+            self.wait_all(works, stats)
+            raw = self.headers[bucket.index % self.num_buffers] if bucket.oversize \
+                else self.bucket_buffer(bucket)
+            header = Header.decode(raw)
+            if expected is None:
+                stats.version = header.version
+            expected = Header(bucket.index, len(buckets), stats.version, plan.digest)
+            if why := header.mismatch(expected):
+                raise RefitError(f"{self.group.who}: protocol out of step at bucket "
+                                 f"{bucket.index}: {why}; destroy and rebuild the refit group")
+            if header.status != STATUS_OK:
+                error = error or RefitAborted(f"{self.group.who}: sender rank "
+                                              f"{bucket.source_rank} aborted refit "
+                                              f"v{header.version}: {header.message}")
+            if error is not None:
+                continue
+            if target is not None:
+                tensors = [(plan.specs[bucket.start].name, target)]
+            else:
+                tensors = unpack(raw[self.payload_start :], plan.bucket_specs(bucket),
+                                 bucket.offsets)
+            t1 = time.perf_counter()
+            try:
+                on_bucket(tensors)
+            except Exception as e:  # noqa: BLE001 - reported to every rank at the end
+                error = RefitError(f"{self.group.who}: loading bucket {bucket.index} "
+                                   f"({tensors[0][0]!r}..) failed: {type(e).__name__}: {e}")
+                error.__cause__ = e
+            stats.load_s += time.perf_counter() - t1
+        return self.finish(stats, error, t0)

@@ -1,0 +1,73 @@
+"""Typed refit configuration; the trainer picks it once and it travels inside the plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+_ENV = {
+    "bucket_bytes": ("REFIT_BUCKET_BYTES", int),
+    "num_buffers": ("REFIT_NUM_BUFFERS", int),
+    "timeout_s": ("REFIT_TIMEOUT_S", float),
+    "alignment": ("REFIT_ALIGNMENT", int),
+}
+
+
+class RefitConfigError(ValueError):
+    """A refit setting that cannot work (names the setting and the value)."""
+
+
+@dataclass(frozen=True)
+class RefitConfig:
+    """How a refit is cut and run.
+
+    bucket_bytes: payload bytes per bucket (one collective each); a tensor larger than this gets
+        a bucket of its own.
+    num_buffers: buffers per rank; >= 2 overlaps packing bucket k+1 with broadcasting bucket k.
+    timeout_s: every collective of the refit group (and its setup) gives up after this long.
+    alignment: byte alignment of each tensor inside a bucket (power of two); 256 keeps every
+        unpacked view aligned for any dtype and for vectorised GPU copies.
+    """
+
+    bucket_bytes: int = 256 << 20
+    num_buffers: int = 2
+    timeout_s: float = 300.0
+    alignment: int = 256
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> RefitConfigError:
+            return RefitConfigError(f"RefitConfig.{field}={getattr(self, field)!r}: {why}")
+
+        for field in ("bucket_bytes", "num_buffers", "alignment"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(field, "must be an int")
+        if self.bucket_bytes < 1024:
+            raise bad("bucket_bytes", "must be at least 1024 bytes")
+        if self.num_buffers < 1:
+            raise bad("num_buffers", "must be >= 1")
+        if self.num_buffers > 16:
+            raise bad("num_buffers", "more than 16 buffers only costs memory")
+        if self.alignment < 1 or self.alignment & (self.alignment - 1) or self.alignment > 4096:
+            raise bad("alignment", "must be a power of two between 1 and 4096")
+        if not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:
+            raise bad("timeout_s", "must be a positive number of seconds")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> RefitConfig:
+        """Defaults, then REFIT_* environment variables, then explicit keyword overrides."""
+        values: dict[str, object] = {}
+        for field, (var, kind) in _ENV.items():
+            raw = os.environ.get(var)
+            if raw is None or raw.strip() == "":
+                continue
+            try:
+                values[field] = kind(raw)
+            except ValueError:
+                raise RefitConfigError(f"{var}={raw!r} is not a valid {kind.__name__}") from None
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise RefitConfigError(f"unknown RefitConfig fields: {sorted(unknown)}")
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,24 @@
+"""Refit error types; every message names the rank, bucket or tensor involved."""
+
+
+class RefitError(RuntimeError):
+    """Base of every refit failure."""
+
+
+class RefitCommError(RefitError):
+    """A collective of the refit group failed or timed out (a peer died or hung).
+
+    The group is unusable afterwards: destroy it and build a new one before the next refit.
+    """
+
+
+class PlanMismatchError(RefitError):
+    """Ranks of the refit group hold different plans (raised on every rank at setup)."""
+
+
+class TensorMismatchError(RefitError):
+    """A tensor handed to the sender disagrees with its spec (name, shape or dtype drifted)."""
+
+
+class RefitAborted(RefitError):
+    """The sending rank aborted this refit before a bucket was sent; nothing of it was loaded."""

@@ -1,0 +1,229 @@
+"""Refit plan: ordered tensor specs cut into aligned buckets, made once at setup.
+
+The plan is the contract between trainer and receivers: names, shapes, dtypes (the dtype the
+receiver must get, i.e. the converter's declared output dtype), bucket layout, bucket size and
+buffer count. Both sides check it by digest, so buffers can never be sized independently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from common.config import RefitConfig
+
+PLAN_FORMAT = 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor as the receiver must get it; `source_rank` is the refit-group rank that sends it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    source_rank: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if not self.name:
+            raise ValueError("TensorSpec needs a name")
+        if any(s < 0 for s in self.shape):
+            raise ValueError(f"TensorSpec {self.name!r}: negative dimension in {self.shape}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"TensorSpec {self.name!r}: dtype {self.dtype!r} is not a torch.dtype")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor, source_rank: int = 0) -> TensorSpec:
+        """Spec from a tensor's metadata (works on meta tensors: nothing is materialised)."""
+        return cls(name, tuple(tensor.shape), tensor.dtype, source_rank)
+
+    def describe(self) -> str:
+        return f"{self.name!r} {list(self.shape)} {dtype_name(self.dtype)} (source rank {self.source_rank})"
+
+    def to_json(self) -> list:
+        return [self.name, list(self.shape), dtype_name(self.dtype), self.source_rank]
+
+    @classmethod
+    def from_json(cls, item: Sequence) -> TensorSpec:
+        name, shape, dtype, source = item
+        return cls(name, tuple(shape), dtype_from_name(dtype), int(source))
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Consecutive specs [start, stop) of one source rank, packed at `offsets` (payload bytes)."""
+
+    index: int
+    source_rank: int
+    start: int
+    stop: int
+    offsets: tuple[int, ...]
+    nbytes: int
+    oversize: bool
+
+    @property
+    def spec_indices(self) -> range:
+        return range(self.start, self.stop)
+
+
+def cut_buckets(specs: Sequence[TensorSpec], config: RefitConfig) -> list[Bucket]:
+    """Cut specs in order into buckets of at most config.bucket_bytes, never mixing sources.
+
+    A tensor larger than a bucket gets a bucket of its own (marked oversize); it is sent
+    straight from (and received straight into) its own tensor, never through a bucket buffer.
+    """
+    buckets: list[Bucket] = []
+    start, offsets, end = 0, [], 0
+
+    def close(stop: int) -> None:
+        nonlocal start, offsets, end
+        if stop > start:
+            oversize = stop - start == 1 and specs[start].nbytes > config.bucket_bytes
+            nbytes = end if oversize else align_up(end, config.alignment)
+            buckets.append(Bucket(len(buckets), specs[start].source_rank, start, stop,
+                                  tuple(offsets), nbytes, oversize))
+        start, offsets, end = stop, [], 0
+
+    for i, spec in enumerate(specs):
+        if i > start and spec.source_rank != specs[start].source_rank:
+            close(i)
+        if spec.nbytes > config.bucket_bytes:
+            close(i)
+            offsets, end = [0], spec.nbytes
+            close(i + 1)
+            continue
+        offset = align_up(end, config.alignment)
+        if i > start and offset + spec.nbytes > config.bucket_bytes:
+            close(i)
+            offset = 0
+        offsets.append(offset)
+        end = offset + spec.nbytes
+    close(len(specs))
+    return buckets
+
+
+@dataclass(frozen=True)
+class RefitPlan:
+    """Everything both sides must agree on before the first byte moves."""
+
+    specs: tuple[TensorSpec, ...]
+    config: RefitConfig
+    buckets: tuple[Bucket, ...] = field(init=False)
+    digest: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        specs = tuple(self.specs)
+        object.__setattr__(self, "specs", specs)
+        seen: set[str] = set()
+        for spec in specs:
+            if spec.name in seen:
+                raise ValueError(f"refit plan lists tensor {spec.name!r} twice")
+            seen.add(spec.name)
+        object.__setattr__(self, "buckets", tuple(cut_buckets(specs, self.config)))
+        body = json.dumps(self._body(), separators=(",", ":"), sort_keys=True)
+        object.__setattr__(self, "digest", hashlib.sha256(body.encode()).hexdigest())
+
+    @classmethod
+    def build(cls, specs: Iterable[TensorSpec], config: RefitConfig | None = None) -> RefitPlan:
+        return cls(tuple(specs), config or RefitConfig())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Size of one bucket buffer: the largest non-oversize bucket payload."""
+        return max((b.nbytes for b in self.buckets if not b.oversize), default=0)
+
+    @property
+    def largest_oversize_bytes(self) -> int:
+        return max((b.nbytes for b in self.buckets if b.oversize), default=0)
+
+    def bucket_specs(self, bucket: Bucket) -> tuple[TensorSpec, ...]:
+        return self.specs[bucket.start : bucket.stop]
+
+    def _body(self) -> dict:
+        c = self.config
+        return {
+            "format": PLAN_FORMAT,
+            "bucket_bytes": c.bucket_bytes,
+            "num_buffers": c.num_buffers,
+            "alignment": c.alignment,
+            "specs": [s.to_json() for s in self.specs],
+        }
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able form (plus the timeout and digest) for sending once at setup."""
+        return {**self._body(), "timeout_s": self.config.timeout_s, "digest": self.digest}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RefitPlan:
+        if data.get("format") != PLAN_FORMAT:
+            raise ValueError(f"refit plan format {data.get('format')!r}, expected {PLAN_FORMAT}")
+        config = RefitConfig(
+            bucket_bytes=data["bucket_bytes"],
+            num_buffers=data["num_buffers"],
+            timeout_s=data["timeout_s"],
+            alignment=data["alignment"],
+        )
+        plan = cls(tuple(TensorSpec.from_json(s) for s in data["specs"]), config)
+        if "digest" in data and data["digest"] != plan.digest:
+            raise ValueError(f"refit plan digest {data['digest'][:12]} does not match its content "
+                             f"({plan.digest[:12]}): corrupted in transit or another version")
+        return plan
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> RefitPlan:
+        return cls.from_dict(json.loads(text))
+
+    def difference(self, other: RefitPlan) -> str | None:
+        """The first difference between two plans in words, or None when the digests agree."""
+        if self.digest == other.digest:
+            return None
+        for key in ("bucket_bytes", "num_buffers", "alignment"):
+            a, b = getattr(self.config, key), getattr(other.config, key)
+            if a != b:
+                return f"{key} differs: {a} vs {b}"
+        for i, (a, b) in enumerate(zip(self.specs, other.specs, strict=False)):
+            if a != b:
+                return f"tensor #{i} differs: {a.describe()} vs {b.describe()}"
+        n, m = len(self.specs), len(other.specs)
+        if n != m:
+            longer = self.specs if n > m else other.specs
+            side = "first" if n > m else "second"
+            return (f"{n} vs {m} tensors; the {side} plan also has "
+                    f"{longer[min(n, m)].describe()}")
+        return "plans differ in format"

@@ -1,0 +1,74 @@
+"""Run a function on several real processes (spawned), each a rank of a real refit group."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, queue: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world_size, port, *args)
+        queue.put((rank, "ok", result))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        queue.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc())))
+
+
+def run_ranks(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, allow_dead: bool = False
+) -> dict[int, tuple[str, Any]]:
+    """Run fn(rank, world_size, port, *args) on `world_size` processes.
+
+    Returns {rank: ("ok", result) | ("error", (type, message, traceback)) | ("dead", exitcode)}.
+    A process still running after `timeout` is killed and the test fails (a hang is a bug).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size and time.monotonic() < deadline:
+        try:
+            rank, status, value = queue.get(timeout=0.5)
+            results[rank] = (status, value)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+    hung = [r for r, p in enumerate(procs) if p.is_alive() and r not in results]
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} hung for more than {timeout}s"
+    for r, p in enumerate(procs):
+        if r not in results:
+            assert allow_dead, f"rank {r} died with exit code {p.exitcode}"
+            results[r] = ("dead", p.exitcode)
+    return results
+
+
+def expect_ok(results: dict[int, tuple[str, Any]]) -> dict[int, Any]:
+    bad = {r: v for r, (s, v) in results.items() if s != "ok"}
+    assert not bad, "\n".join(f"rank {r}: {v[2] if isinstance(v, tuple) else v}"
+                              for r, v in bad.items())
+    return {r: v for r, (_, v) in results.items()}

@@ -1,0 +1,72 @@
+"""Bitwise round trips of mixed-dtype tensor sets over real gloo refit groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.broadcast import RefitReceiver, RefitSender
+from common.config import RefitConfig
+from common.group import RefitGroup
+from common.plan import RefitPlan
+from common.source import DictWeightSource
+from tests.multiproc import expect_ok, run_ranks
+
+
+def make_tensors(seed: int, version: int = 0) -> dict[str, torch.Tensor]:
+    """Mixed dtypes, an oversize tensor, empty and 0-d tensors, a non-contiguous one."""
+    g = torch.Generator().manual_seed(seed * 1000 + version)
+    t = {
+        "embed.weight": torch.randn(64, 32, generator=g).bfloat16(),
+        "big.weight": torch.randn(300, 64, generator=g),  # 76.8 KB > 16 KiB bucket: oversize
+        "layer.0.q.weight": torch.randn(16, 16, generator=g).half(),
+        "layer.0.count": torch.randint(-(2**40), 2**40, (7,), generator=g),
+        "layer.0.mask": torch.rand(33, generator=g) > 0.5,
+        "layer.0.scalar": torch.randn((), generator=g),
+        "layer.0.empty": torch.empty(0, 5),
+        "layer.0.t.weight": torch.randn(24, 40, generator=g).bfloat16().t(),  # non-contiguous
+    }
+    for i in range(40):
+        t[f"layer.1.expert.{i}.weight"] = torch.randn(8, 24, generator=g).bfloat16()
+    t["norm.bias"] = torch.randn(5, generator=g).to(torch.float32)
+    return t
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def roundtrip_rank(rank: int, world: int, port: int, trainers: int, buffers: int) -> dict:
+    config = RefitConfig(bucket_bytes=16 << 10, num_buffers=buffers, timeout_s=60)
+    group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
+                       num_trainers=trainers, timeout_s=config.timeout_s)
+    out = {}
+    if group.is_trainer:
+        source = DictWeightSource(make_tensors(0))
+        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
+        for version in (1, 2):
+            source.tensors = make_tensors(0, version)
+            sender.refit(source, version)
+        return {"buckets": len(sender.plan.buckets)}
+    receiver = RefitReceiver.setup(group)
+    for version in (1, 2):
+        got: dict[str, torch.Tensor] = {}
+        stats = receiver.receive(lambda items: got.update({n: t.clone() for n, t in items}))
+        want = make_tensors(0, version)
+        assert stats.version == version
+        assert list(got) == list(want), "names or order differ"
+        for name, w in want.items():
+            g = got[name]
+            assert g.dtype == w.dtype and g.shape == w.shape, name
+            assert torch.equal(bits(g), bits(w)), name
+        out[version] = len(got)
+    return out
+
+
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+@pytest.mark.parametrize("trainers,receivers", [(1, 1), (2, 1), (1, 2), (2, 2), (3, 2)])
+def test_roundtrip_bitwise(trainers: int, receivers: int, buffers: int) -> None:
+    res = expect_ok(run_ranks(roundtrip_rank, trainers + receivers, trainers, buffers))
+    assert res[0]["buckets"] > 3
+    for r in range(trainers, trainers + receivers):
+        assert res[r] == {1: len(make_tensors(0)), 2: len(make_tensors(0))}
