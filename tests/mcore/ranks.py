@@ -1,0 +1,137 @@
+"""Jobs run on every pool rank: build a layout, randomise it, run Megatron's forward, refit."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.mcore.models import HIDDEN, PADDED_VOCAB, SEQ, VOCAB, Layout, build_chunks
+
+
+def setup_parallel(layout: Layout) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+    model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+
+
+def randomise(chunks: list[torch.nn.Module], seed: int) -> None:
+    """Fill every weight (norms, biases, expert bias too) from its global name and shard.
+
+    Replicated tensors get the same values on every rank, shards differ per TP/ETP rank, so
+    Megatron's own forward is consistent and every value is distinguishable.
+    """
+    from megatron.core import parallel_state as ps
+
+    from mcore_refit import names
+
+    tp, etp = ps.get_tensor_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
+    ep = ps.get_expert_model_parallel_rank()
+    for chunk in chunks:
+        offsets = names.layer_offsets(names.unwrap(chunk))
+        items = list(chunk.named_parameters()) + [
+            (n, b) for n, b in chunk.named_buffers() if n.endswith("expert_bias")]
+        for raw, t in items:
+            name, _ = names.globalize_layer(names.strip_wrappers(raw), offsets)
+            slot = names.expert_slot(name)
+            shard = 0
+            if getattr(t, "tensor_model_parallel", False):
+                shard = etp if slot else tp
+            key = f"{seed}:{name}:{shard}:{ep if slot else 0}"
+            g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+            noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
+            with torch.no_grad():
+                if t.dim() == 1 and ("norm" in name or "layernorm" in name):
+                    t.copy_(1.0 + 0.2 * noise)
+                elif t.dim() == 1:
+                    t.copy_(0.2 * noise)
+                else:
+                    t.copy_(noise * (0.5 if "embedding" in name else 0.12))
+    sync_tied_output(chunks)
+
+
+def sync_tied_output(chunks: list[torch.nn.Module]) -> None:
+    """Tied + PP>1: the last stage's `output_layer` copy must equal the embedding (Megatron
+    zeroes it and all-reduces over the embedding group at init, as done here)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
+        return
+    for chunk in chunks:
+        if not getattr(chunk, "share_embeddings_and_output_weights", False):
+            continue
+        weight = chunk.shared_embedding_or_output_weight()
+        if weight is None:
+            continue
+        with torch.no_grad():
+            if not chunk.pre_process:
+                weight.zero_()
+            dist.all_reduce(weight.data, group=ps.get_embedding_group())
+
+
+def megatron_logits(layout: Layout, chunks: list[torch.nn.Module],
+                    ids: torch.Tensor) -> torch.Tensor:
+    """Eval-mode forward through every stage/chunk; hidden states hop stages by broadcast."""
+    from megatron.core import parallel_state as ps
+
+    stage = ps.get_pipeline_model_parallel_rank()
+    firsts = [0] * layout.pp
+    dist.all_gather_object(firsts, min(dist.get_process_group_ranks(
+        ps.get_tensor_and_data_parallel_group(with_context_parallel=True))),
+        group=ps.get_pipeline_model_parallel_group())
+    pos = torch.arange(SEQ)[None]
+    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
+    hidden = None
+    steps = [(v, s) for v in range(layout.vpp or 1) for s in range(layout.pp)]
+    for i, (v, s) in enumerate(steps):
+        last = i == len(steps) - 1
+        shape = (1, SEQ, PADDED_VOCAB) if last else (SEQ, 1, HIDDEN)
+        out = torch.empty(shape)
+        if s == stage:
+            model = chunks[v]
+            model.eval()
+            if i > 0:
+                model.set_input_tensor(hidden)
+            with torch.no_grad():
+                out = model(ids, pos, mask).float().contiguous()
+        dist.broadcast(out, src=firsts[s])
+        hidden = out
+    return hidden
+
+
+def refit_job(rank: int, world: int, layout: Layout, seed: int,
+              dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Everything the parent checks: specs, this rank's yielded tensors, Megatron logits."""
+    from common.plan import RefitPlan
+    from mcore_refit import MegatronWeightSource, converter_for
+    from tests.mcore.models import ARCHS
+
+    setup_parallel(layout)
+    chunks = build_chunks(layout)
+    randomise(chunks, seed)
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(seed))
+    logits = megatron_logits(layout, chunks, ids)
+    source = MegatronWeightSource(chunks, converter_for(ARCHS[layout.arch].model_type),
+                                  vocab_size=VOCAB, dtype=dtype)
+    specs = source.plan_specs()
+    plan = RefitPlan.build(specs)
+    mine: dict[str, torch.Tensor] = {}
+    for spec, (name, tensor) in zip(plan.specs, source.iter_tensors(plan), strict=True):
+        assert name == spec.name, (name, spec.name)
+        if spec.source_rank != rank:
+            assert tensor is None, f"rank {rank} yielded {name} owned by {spec.source_rank}"
+            continue
+        assert tensor is not None, f"source rank {rank} yielded None for {name}"
+        assert tuple(tensor.shape) == spec.shape, (name, tensor.shape, spec.shape)
+        assert tensor.dtype == spec.dtype, (name, tensor.dtype, spec.dtype)
+        mine[name] = tensor.detach().clone()
+    return {"specs": [s.to_json() for s in specs], "tensors": mine,
+            "logits": logits if rank == 0 else None, "ids": ids}
