@@ -167,7 +167,7 @@ class RefitSender(_Endpoint):
                 raise RefitError(f"weight source ended at {spec.name!r} (tensor #{len(items)} "
                                  f"of bucket {bucket.index}); the plan has more") from None
         if self.group.rank != bucket.source_rank:
-            return [t for _, t in items]
+            return []  # not needed here: free them before this rank's receive buffer fills
         for i, (spec, (name, tensor)) in enumerate(zip(specs, items, strict=True)):
             if why := check_tensor(spec, name, tensor):
                 raise TensorMismatchError(f"{self.group.who}: refit v{version} bucket "

@@ -43,15 +43,17 @@ def pack(
     """Copy `tensors` (already checked against `specs`) into `buffer` at `offsets`.
 
     Contiguous tensors are copied as bytes in one foreach call (one dtype, so the fast path
-    applies); the few non-contiguous ones go through typed strided views in a second call.
+    applies); the few non-contiguous ones go through typed strided views in a second call
+    (or are made contiguous first where the plan's alignment leaves their slot misaligned).
     """
     dst_bytes, src_bytes, dst_strided, src_strided = [], [], [], []
     for spec, offset, tensor in zip(specs, offsets, tensors, strict=True):
         if spec.nbytes == 0:
             continue
-        if tensor.is_contiguous():
+        aligned = (buffer.data_ptr() + offset) % spec.dtype.itemsize == 0
+        if tensor.is_contiguous() or not aligned:
             dst_bytes.append(buffer[offset : offset + spec.nbytes])
-            src_bytes.append(byte_view(tensor))
+            src_bytes.append(byte_view(tensor.contiguous()))
         else:
             dst_strided.append(typed_view(buffer, offset, spec))
             src_strided.append(tensor)

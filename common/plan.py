@@ -37,7 +37,7 @@ def align_up(value: int, alignment: int) -> int:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor as the receiver must get it; `source_rank` is the refit-group rank that sends it."""
+    """One tensor as the receiver must get it; `source_rank` is the refit rank that sends it."""
 
     name: str
     shape: tuple[int, ...]
@@ -67,7 +67,8 @@ class TensorSpec:
         return cls(name, tuple(tensor.shape), tensor.dtype, source_rank)
 
     def describe(self) -> str:
-        return f"{self.name!r} {list(self.shape)} {dtype_name(self.dtype)} (source rank {self.source_rank})"
+        shape, dtype = list(self.shape), dtype_name(self.dtype)
+        return f"{self.name!r} {shape} {dtype} (source rank {self.source_rank})"
 
     def to_json(self) -> list:
         return [self.name, list(self.shape), dtype_name(self.dtype), self.source_rank]

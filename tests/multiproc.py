@@ -72,3 +72,10 @@ def expect_ok(results: dict[int, tuple[str, Any]]) -> dict[int, Any]:
     assert not bad, "\n".join(f"rank {r}: {v[2] if isinstance(v, tuple) else v}"
                               for r, v in bad.items())
     return {r: v for r, (_, v) in results.items()}
+
+
+def receive_all(receiver: Any) -> tuple[Any, dict]:
+    """One refit into a dict of copies (views die with the callback): (stats, {name: tensor})."""
+    got: dict = {}
+    stats = receiver.receive(lambda items: got.update({n: t.clone() for n, t in items}))
+    return stats, got

@@ -10,7 +10,7 @@ from common.config import RefitConfig
 from common.group import RefitGroup
 from common.plan import RefitPlan
 from common.source import DictWeightSource
-from tests.multiproc import expect_ok, run_ranks
+from tests.multiproc import expect_ok, receive_all, run_ranks
 
 
 def make_tensors(seed: int, version: int = 0) -> dict[str, torch.Tensor]:
@@ -50,8 +50,7 @@ def roundtrip_rank(rank: int, world: int, port: int, trainers: int, buffers: int
         return {"buckets": len(sender.plan.buckets)}
     receiver = RefitReceiver.setup(group)
     for version in (1, 2):
-        got: dict[str, torch.Tensor] = {}
-        stats = receiver.receive(lambda items: got.update({n: t.clone() for n, t in items}))
+        stats, got = receive_all(receiver)
         want = make_tensors(0, version)
         assert stats.version == version
         assert list(got) == list(want), "names or order differ"

@@ -1,0 +1,42 @@
+"""RefitConfig: defaults, environment overrides, clear errors for nonsense."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import RefitConfig, RefitConfigError
+
+
+def test_env_overrides_and_explicit_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REFIT_BUCKET_BYTES", str(1 << 20))
+    monkeypatch.setenv("REFIT_NUM_BUFFERS", "3")
+    monkeypatch.setenv("REFIT_TIMEOUT_S", "12.5")
+    c = RefitConfig.from_env()
+    assert (c.bucket_bytes, c.num_buffers, c.timeout_s) == (1 << 20, 3, 12.5)
+    assert RefitConfig.from_env(num_buffers=1).num_buffers == 1
+
+
+@pytest.mark.parametrize(
+    "env,value,fragment",
+    [
+        ("REFIT_BUCKET_BYTES", "lots", "REFIT_BUCKET_BYTES='lots' is not a valid int"),
+        ("REFIT_BUCKET_BYTES", "12", "bucket_bytes=12: must be at least 1024"),
+        ("REFIT_NUM_BUFFERS", "0", "num_buffers=0: must be >= 1"),
+        ("REFIT_TIMEOUT_S", "-1", "timeout_s=-1.0: must be a positive"),
+        ("REFIT_TIMEOUT_S", "nan", "timeout_s=nan: must be a positive"),
+        ("REFIT_ALIGNMENT", "48", "alignment=48: must be a power of two"),
+    ],
+)
+def test_nonsense_values_name_the_setting(
+    monkeypatch: pytest.MonkeyPatch, env: str, value: str, fragment: str
+) -> None:
+    monkeypatch.setenv(env, value)
+    with pytest.raises(RefitConfigError, match=fragment.replace("(", r"\(").replace("[", r"\[")):
+        RefitConfig.from_env()
+
+
+def test_wrong_types_and_unknown_fields() -> None:
+    with pytest.raises(RefitConfigError, match="num_buffers=2.0: must be an int"):
+        RefitConfig(num_buffers=2.0)  # type: ignore[arg-type]
+    with pytest.raises(RefitConfigError, match="unknown RefitConfig fields"):
+        RefitConfig.from_env(bucket_size=5)

@@ -1,0 +1,189 @@
+"""Failures over real gloo groups: plan mismatch, drifted tensors, a failing loader, a dead peer."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from common.broadcast import RefitReceiver, RefitSender
+from common.config import RefitConfig
+from common.errors import (
+    PlanMismatchError,
+    RefitAborted,
+    RefitCommError,
+    RefitError,
+    TensorMismatchError,
+)
+from common.group import RefitGroup
+from common.plan import RefitPlan, TensorSpec
+from common.source import DictWeightSource
+from tests.multiproc import expect_ok, free_port, receive_all, run_ranks
+
+TRAINERS = 2
+
+
+def tensors(version: int = 0, size: int = 32) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(version)
+    out = {f"layers.{i}.weight": torch.randn(size, size, generator=g) for i in range(8)}
+    out["router.bias"] = torch.randn(16, generator=g)
+    return out
+
+
+def join(rank: int, world: int, port: int, timeout_s: float = 30, name: str = "refit",
+         bucket_bytes: int = 8 << 10):
+    config = RefitConfig(bucket_bytes=bucket_bytes, num_buffers=2, timeout_s=timeout_s)
+    group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
+                       num_trainers=TRAINERS, timeout_s=timeout_s, name=name)
+    return config, group
+
+
+def outcome(fn) -> tuple[str, str]:
+    try:
+        fn()
+    except RefitError as e:
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+def mismatch_rank(rank: int, world: int, port: int) -> tuple[str, str]:
+    config, group = join(rank, world, port)
+    specs = DictWeightSource(tensors()).plan_specs()
+    if rank == world - 1:  # this receiver was configured for another model
+        specs[3] = TensorSpec(specs[3].name, (32, 64), specs[3].dtype)
+        return outcome(lambda: RefitReceiver.setup(group, RefitPlan.build(specs, config)))
+    if group.is_trainer:
+        return outcome(lambda: RefitSender.setup(group, RefitPlan.build(specs, config)))
+    return outcome(lambda: RefitReceiver.setup(group))
+
+
+def test_receiver_with_another_plan_fails_setup_everywhere() -> None:
+    res = expect_ok(run_ranks(mismatch_rank, 4))
+    for rank, (kind, msg) in res.items():
+        assert kind == "PlanMismatchError", (rank, kind, msg)
+        assert "rank 3" in msg and "layers.3.weight" in msg and "[32, 64]" in msg, msg
+
+
+def drift_rank(rank: int, world: int, port: int) -> dict:
+    config, group = join(rank, world, port)
+    if group.is_trainer:
+        source = DictWeightSource(tensors())
+        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
+        drifted = tensors(1)
+        drifted["layers.5.weight"] = drifted["layers.5.weight"].bfloat16()  # plan says fp32
+        source.tensors = drifted
+        first = outcome(lambda: sender.refit(source, 1))
+        source.tensors = tensors(2)  # fixed: the same group carries the next refit
+        return {"first": first, "second": outcome(lambda: sender.refit(source, 2)),
+                "drift_bucket": next(b.index for b in sender.plan.buckets
+                                     if "layers.5.weight" in
+                                     [s.name for s in sender.plan.bucket_specs(b)])}
+    receiver = RefitReceiver.setup(group)
+    seen: list[str] = []
+    first = outcome(lambda: receiver.receive(lambda items: seen.extend(n for n, _ in items)))
+    stats, got = receive_all(receiver)
+    second = ("ok", "") if stats.version == 2 else ("wrong version", str(stats.version))
+    assert all(torch.equal(got[n], t) for n, t in tensors(2).items())
+    return {"first": first, "second": second, "seen": seen}
+
+
+def test_drifted_dtype_fails_on_all_ranks_before_its_bucket() -> None:
+    res = expect_ok(run_ranks(drift_rank, 4))
+    kind, msg = res[0]["first"]
+    assert kind == "TensorMismatchError" and "'layers.5.weight'" in msg and "bfloat16" in msg
+    for rank in (1, 2, 3):
+        kind, msg = res[rank]["first"]
+        assert kind == "RefitAborted" and "layers.5.weight" in msg, (rank, kind, msg)
+    for rank in range(4):
+        assert res[rank]["second"] == ("ok", "")
+    names = list(tensors())
+    for rank in (2, 3):  # nothing from the drifted tensor on was handed to the loader
+        seen = res[rank]["seen"]
+        assert "layers.5.weight" not in seen and seen == names[: len(seen)]
+
+
+def failing_loader_rank(rank: int, world: int, port: int) -> tuple:
+    config, group = join(rank, world, port)
+    if group.is_trainer:
+        source = DictWeightSource(tensors())
+        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
+        return outcome(lambda: sender.refit(source, 1)), outcome(lambda: sender.refit(source, 2))
+    receiver = RefitReceiver.setup(group)
+    calls = []
+
+    def load(items):
+        calls.append(len(items))
+        if rank == 3 and len(calls) == 2:
+            raise KeyError("model has no parameter 'layers.4.weight'")
+
+    return outcome(lambda: receiver.receive(load)), outcome(lambda: receiver.receive(load))
+
+
+def test_failing_loader_fails_the_refit_on_every_rank_and_next_refit_lands() -> None:
+    res = expect_ok(run_ranks(failing_loader_rank, 4))
+    assert res[3][0][0] == "RefitError" and "loading bucket 1" in res[3][0][1]
+    for rank in (0, 1, 2):
+        kind, msg = res[rank][0]
+        assert kind == "RefitAborted" and "failed on [3]" in msg and "layers.4.weight" in msg
+    assert all(r[1] == ("ok", "") for r in res.values())
+
+
+TIMEOUT_S = 4.0
+
+
+def dead_peer_rank(rank: int, world: int, port: int, port2: int) -> dict:
+    # 1 MiB tensors in 2 MiB buckets: more than socket buffers hold, so the death is mid-stream.
+    config, group = join(rank, world, port, timeout_s=TIMEOUT_S, bucket_bytes=2 << 20)
+    source = DictWeightSource(tensors(0, 512))
+    if group.is_trainer:
+        endpoint = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
+        run = lambda: endpoint.refit(source, 1)  # noqa: E731
+    else:
+        endpoint = RefitReceiver.setup(group)
+        calls = []
+
+        def load(items):
+            calls.append(1)
+            if rank == world - 1 and len(calls) == 2:
+                os._exit(17)  # killed mid-refit
+            time.sleep(0.05)
+
+        run = lambda: endpoint.receive(load)  # noqa: E731
+    t0 = time.monotonic()
+    try:
+        run()
+        return {"raised": None}
+    except RefitCommError as e:
+        elapsed = time.monotonic() - t0
+        first = (type(e).__name__, str(e), elapsed)
+    group.destroy()
+    # Rebuild without the dead rank: 2 trainers + 1 receiver, then refit again.
+    config, group = join(rank, world - 1, port2, timeout_s=30, name="refit-2")
+    source.tensors = tensors(5, 512)
+    if group.is_trainer:
+        RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config)).refit(source, 2)
+        return {"raised": first, "rebuilt": True}
+    stats, got = receive_all(RefitReceiver.setup(group))
+    ok = stats.version == 2 and all(torch.equal(got[n], t) for n, t in source.tensors.items())
+    return {"raised": first, "rebuilt": ok}
+
+
+@pytest.mark.slow
+def test_killed_receiver_makes_every_rank_raise_and_group_can_be_rebuilt() -> None:
+    res = run_ranks(dead_peer_rank, 4, free_port(), allow_dead=True, timeout=90)
+    assert res[3] == ("dead", 17)
+    for rank in (0, 1, 2):
+        status, value = res[rank]
+        assert status == "ok", value
+        kind, msg, elapsed = value["raised"]
+        assert kind == "RefitCommError" and f"refit rank {rank}/4" in msg, msg
+        assert "refit v1 bucket" in msg or "refit v1 status" in msg, msg
+        assert elapsed < TIMEOUT_S + 3.0, f"rank {rank} took {elapsed:.1f}s to notice"
+        assert value["rebuilt"] is True
+
+
+def test_error_types_are_refit_errors() -> None:
+    for cls in (PlanMismatchError, RefitAborted, RefitCommError, TensorMismatchError):
+        assert issubclass(cls, RefitError)

@@ -1,0 +1,68 @@
+"""Packing and unpacking: mixed dtypes, strides, 0-d and empty tensors, zero-copy views."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.config import RefitConfig
+from common.packing import pack, unpack
+from common.plan import RefitPlan, TensorSpec
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def mixed(device: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    t = {
+        "bf16": torch.randn(7, 5, generator=g).bfloat16(),
+        "fp16": torch.randn(3, generator=g).half(),
+        "fp32_scalar": torch.randn((), generator=g),
+        "int64": torch.randint(-(2**60), 2**60, (5,), generator=g),
+        "bool": torch.rand(11, generator=g) > 0.5,
+        "empty": torch.empty(0, 3, dtype=torch.bfloat16),
+        "transposed": torch.randn(6, 4, generator=g).t(),
+        "strided": torch.randn(10, generator=g)[::3],
+        "uint8": torch.randint(0, 255, (9,), dtype=torch.uint8, generator=g),
+    }
+    return {k: v.to(device) for k, v in t.items()}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("alignment", [1, 4, 256])
+def test_pack_unpack_bitwise(device: str, alignment: int) -> None:
+    tensors = mixed(device)
+    plan = RefitPlan.build([TensorSpec.of(n, t) for n, t in tensors.items()],
+                           RefitConfig(bucket_bytes=1 << 20, alignment=alignment))
+    (bucket,) = plan.buckets
+    buf = torch.full((bucket.nbytes,), 0xAB, dtype=torch.uint8, device=device)
+    pack(buf, plan.bucket_specs(bucket), bucket.offsets, list(tensors.values()))
+    views = unpack(buf, plan.bucket_specs(bucket), bucket.offsets)
+    assert [n for n, _ in views] == list(tensors)
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    copies = 0
+    for (name, view), want in zip(views, tensors.values(), strict=True):
+        assert view.dtype == want.dtype and view.shape == want.shape, name
+        assert torch.equal(bits(view), bits(want)), name
+        if view.numel():
+            copies += not lo <= view.data_ptr() < hi
+    if alignment == 256:
+        assert copies == 0  # every view aliases the buffer
+    else:
+        assert copies <= 6  # only misaligned multi-byte dtypes are copied
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_small_tensors_in_one_call(device: str) -> None:
+    tensors = [torch.randn(33, device=device).bfloat16() for _ in range(2000)]
+    specs = [TensorSpec.of(f"e{i}", t) for i, t in enumerate(tensors)]
+    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=1 << 20))
+    (bucket,) = plan.buckets
+    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    pack(buf, specs, bucket.offsets, tensors)
+    assert all(torch.equal(v, t) for (_, v), t in zip(unpack(buf, specs, bucket.offsets),
+                                                          tensors, strict=True))

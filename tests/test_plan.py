@@ -1,0 +1,127 @@
+"""RefitPlan: bucket cutting, digest stability and sensitivity, serialisation, differences."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.config import RefitConfig
+from common.plan import RefitPlan, TensorSpec
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.bool, torch.uint8]
+
+
+def sample_specs() -> list[TensorSpec]:
+    return [
+        TensorSpec("embed.weight", (64, 32), torch.bfloat16),
+        TensorSpec("layers.0.mlp.gate.e_score_correction_bias", (8,), torch.float32),
+        TensorSpec("layers.0.scalar", (), torch.float32),
+        TensorSpec("layers.0.empty", (0, 4), torch.int64),
+        TensorSpec("lm_head.weight", (64, 32), torch.bfloat16, source_rank=1),
+    ]
+
+
+spec_lists = st.lists(
+    st.tuples(
+        st.lists(st.integers(0, 40), min_size=0, max_size=3),
+        st.sampled_from(DTYPES),
+        st.integers(0, 2),
+    ),
+    min_size=0,
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(spec_lists, st.sampled_from([1024, 2048, 5000]), st.sampled_from([1, 8, 256]))
+def test_buckets_are_bounded_aligned_ordered_and_single_source(items, bucket_bytes, alignment):
+    specs = [TensorSpec(f"t{i}", tuple(shape), dtype, src)
+             for i, (shape, dtype, src) in enumerate(items)]
+    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=bucket_bytes, alignment=alignment))
+    covered = [i for b in plan.buckets for i in b.spec_indices]
+    assert covered == list(range(len(specs)))
+    for b in plan.buckets:
+        bspecs = plan.bucket_specs(b)
+        assert {s.source_rank for s in bspecs} == {b.source_rank}
+        if b.oversize:
+            assert len(bspecs) == 1 and bspecs[0].nbytes > bucket_bytes
+            continue
+        assert b.nbytes <= bucket_bytes and b.nbytes % alignment == 0
+        end = 0
+        for spec, offset in zip(bspecs, b.offsets, strict=True):
+            assert offset % alignment == 0 and offset >= end
+            end = offset + spec.nbytes
+        assert end <= b.nbytes
+    assert plan.buffer_bytes <= bucket_bytes
+
+
+def test_digest_is_stable_across_processes() -> None:
+    plan = RefitPlan.build(sample_specs(), RefitConfig(bucket_bytes=4096))
+    code = ("from tests.test_plan import sample_specs; from common.plan import RefitPlan;"
+            "from common.config import RefitConfig;"
+            "print(RefitPlan.build(sample_specs(), RefitConfig(bucket_bytes=4096)).digest)")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    assert other == plan.digest
+
+
+def test_digest_changes_with_any_name_shape_dtype_order_source_or_bucket_size() -> None:
+    base = sample_specs()
+    config = RefitConfig(bucket_bytes=4096)
+    digest = RefitPlan.build(base, config).digest
+    s = base[1]
+    variants = {
+        "name": [*base[:1], TensorSpec(s.name + "_", s.shape, s.dtype), *base[2:]],
+        "shape": [*base[:1], TensorSpec(s.name, (9,), s.dtype), *base[2:]],
+        "dtype": [*base[:1], TensorSpec(s.name, s.shape, torch.bfloat16), *base[2:]],
+        "source": [*base[:1], TensorSpec(s.name, s.shape, s.dtype, 1), *base[2:]],
+        "order": [base[1], base[0], *base[2:]],
+    }
+    digests = {k: RefitPlan.build(v, config).digest for k, v in variants.items()}
+    digests["bucket size"] = RefitPlan.build(base, RefitConfig(bucket_bytes=8192)).digest
+    digests["buffers"] = RefitPlan.build(base, RefitConfig(bucket_bytes=4096, num_buffers=3)).digest
+    assert digest not in digests.values() and len(set(digests.values())) == len(digests)
+
+
+def test_json_round_trip_and_difference_messages() -> None:
+    config = RefitConfig(bucket_bytes=4096)
+    plan = RefitPlan.build(sample_specs(), config)
+    back = RefitPlan.from_json(plan.to_json())
+    assert back.digest == plan.digest and back.specs == plan.specs and back.config == config
+    assert plan.difference(back) is None
+    other = sample_specs()
+    other[1] = TensorSpec(other[1].name, other[1].shape, torch.bfloat16)
+    diff = plan.difference(RefitPlan.build(other, config))
+    assert "tensor #1" in diff and "e_score_correction_bias" in diff and "float32" in diff
+    diff = plan.difference(RefitPlan.build(sample_specs()[:-1], config))
+    assert "5 vs 4 tensors" in diff and "lm_head.weight" in diff
+    assert "bucket_bytes differs" in plan.difference(
+        RefitPlan.build(sample_specs(), RefitConfig(bucket_bytes=2048)))
+
+
+def test_oversize_tensor_gets_its_own_bucket() -> None:
+    specs = [TensorSpec("a", (10,), torch.float32), TensorSpec("big", (3000,), torch.float32),
+             TensorSpec("b", (10,), torch.float32)]
+    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=4096))
+    assert [b.oversize for b in plan.buckets] == [False, True, False]
+    assert plan.largest_oversize_bytes == 12000 and plan.buffer_bytes == 256
+
+
+def test_duplicate_names_are_refused() -> None:
+    spec = TensorSpec("a", (1,), torch.float32)
+    try:
+        RefitPlan.build([spec, spec])
+    except ValueError as e:
+        assert "'a' twice" in str(e)
+    else:
+        raise AssertionError("duplicate accepted")
+
+
+def test_specs_from_meta_tensors_materialise_nothing() -> None:
+    t = torch.empty(1 << 40, dtype=torch.bfloat16, device="meta")  # 2 TB: must stay metadata
+    spec = TensorSpec.of("huge", t)
+    assert spec.nbytes == 2 << 40 and spec.dtype == torch.bfloat16
