@@ -1,0 +1,352 @@
+"""Refit broadcast benchmark: naive per-tensor vs coalesced (1 and 2 buffers) vs one raw buffer.
+
+CPU (`--quick`): gloo, 3 spawned processes (2 trainer ranks + 1 receiver), OMP_NUM_THREADS=1.
+CUDA (default when available): NCCL, one rank per GPU (half trainers, half receivers; a single
+GPU runs a world-size-1 group, where a broadcast is a local no-op). Each rank times itself; rank 0
+gathers every rank's times and computes the report. Prints a table and, as the last line, one
+JSON object with every figure.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/broadcast_bench.py --quick --out bench/results/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue
+import socket
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from common.broadcast import RefitReceiver, RefitSender, RefitStats
+from common.config import RefitConfig
+from common.group import RefitGroup
+from common.packing import byte_view, pack
+from common.plan import RefitPlan, TensorSpec, align_up
+from common.source import DictWeightSource
+
+# shape -> (tensor count, elements per bf16 tensor)
+SHAPES: dict[str, dict[str, tuple[int, int]]] = {
+    "cpu": {"moe": (20_000, 16_384), "dense": (64, 4 << 20)},
+    "gpu": {"moe": (20_000, 196_608), "dense": (400, 16 << 20)},
+}
+METHODS = ("naive", "coalesced_1buf", "coalesced_2buf", "raw")
+DTYPE = torch.bfloat16
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_specs(name: str, count: int, numel: int, trainers: int) -> list[TensorSpec]:
+    """Contiguous slices of the tensor list, one per trainer (e.g. expert-parallel shards)."""
+    return [TensorSpec(f"{name}.{i}", (numel,), DTYPE, i * trainers // count) for i in range(count)]
+
+
+def make_tensors(count: int, numel: int, device: torch.device) -> list[torch.Tensor]:
+    return [torch.full((numel,), float(i % 251), dtype=DTYPE, device=device) for i in range(count)]
+
+
+def timed(fn: Callable[[], object], args: argparse.Namespace, device: torch.device,
+          barrier: Callable[[], None] | None = None, reps: int | None = None,
+          warm: Callable[[], object] | None = None) -> list[float]:
+    """Warm-up runs (of `warm` if given), then `reps` timed runs, each after a barrier."""
+    out = []
+    for i in range(args.warmup + (reps or args.reps)):
+        if barrier is not None:
+            barrier()
+        sync(device)
+        t0 = time.perf_counter()
+        (warm or fn)() if i < args.warmup else fn()
+        sync(device)
+        if i >= args.warmup:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def stats_dict(stats: RefitStats | None) -> dict[str, float]:
+    if stats is None:
+        return {}
+    keys = ("seconds", "produce_s", "pack_s", "wait_s", "load_s")
+    return {"num_buckets": stats.num_buckets, **{k: round(getattr(stats, k), 6) for k in keys}}
+
+
+def bench_shape(group: RefitGroup, name: str, count: int, numel: int,
+                args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Every method on one shape; returns this rank's times and its last refit stats."""
+    dev = group.device
+    specs = make_specs(name, count, numel, group.num_trainers)
+    tensors = make_tensors(count, numel, dev)  # sources on their rank, receive targets elsewhere
+    total = sum(s.nbytes for s in specs)
+
+    def barrier() -> None:
+        group.all_gather_bytes(b"", 8, f"{name} barrier")
+
+    def naive(step: int = 1) -> None:
+        for spec, t in zip(specs[::step], tensors[::step], strict=True):
+            group.wait(group.broadcast(t, spec.source_rank), f"naive {spec.name}")
+
+    # The naive warm-up sends every 10th tensor (both sources, all pairs): enough to warm up,
+    # and --quick stays under a minute.
+    times = {"naive": timed(naive, args, dev, barrier, args.naive_reps, lambda: naive(10))}
+    stats: dict[str, Any] = {}
+    for nb in (1, 2):
+        config = RefitConfig(bucket_bytes=args.bucket_bytes, num_buffers=nb,
+                             timeout_s=args.timeout)
+        plan = RefitPlan.build(specs, config)
+        last: list[RefitStats] = []
+        source: DictWeightSource | None = None
+        if group.is_trainer:
+            mine = {s.name: t for s, t in zip(specs, tensors, strict=True)
+                    if s.source_rank == group.rank}
+            end: RefitSender | RefitReceiver = RefitSender.setup(group, plan)
+            source = DictWeightSource(mine)
+        else:
+            end = RefitReceiver.setup(group, plan)
+        times[f"coalesced_{nb}buf"] = timed(partial(coalesced_step, end, source, last),
+                                            args, dev, barrier)
+        stats[f"coalesced_{nb}buf"] = {**stats_dict(last[-1]), "buckets": len(plan.buckets),
+                                       "buffer_bytes": plan.buffer_bytes}
+        del end  # free the bucket buffers before the next method
+    raw = torch.empty(total, dtype=torch.uint8, device=dev)
+    times["raw"] = timed(lambda: group.wait(group.broadcast(raw, 0), "raw broadcast"),
+                         args, dev, barrier)
+    return times, stats
+
+
+def coalesced_step(end: RefitSender | RefitReceiver, source: DictWeightSource | None,
+                   last: list[RefitStats]) -> None:
+    """One refit; the receiver's callback touches nothing (it gets views into the buffer)."""
+    if isinstance(end, RefitSender):
+        assert source is not None
+        last.append(end.refit(source, len(last) + 1))
+    else:
+        last.append(end.receive(lambda items: None))
+
+
+def bench_pack(count: int, numel: int, device: torch.device,
+               args: argparse.Namespace) -> dict[str, float]:
+    """GB/s (bytes read + written) of pack() vs one big copy_ vs a per-tensor copy_ loop."""
+    tensors = make_tensors(count, numel, device)
+    specs = make_specs("pack", count, numel, 1)
+    offsets, end = [], 0
+    for s in specs:
+        offsets.append(end)
+        end = align_up(end + s.nbytes, 256)
+    total = sum(s.nbytes for s in specs)
+    buf = torch.empty(end, dtype=torch.uint8, device=device)
+
+    def loop() -> None:
+        for o, s, t in zip(offsets, specs, tensors, strict=True):
+            buf[o : o + s.nbytes].copy_(byte_view(t), non_blocking=True)
+
+    out = {
+        "pack_foreach": timed(lambda: pack(buf, specs, offsets, tensors), args, device),
+        "per_tensor_copy_loop": timed(loop, args, device),
+    }
+    tensors.clear()  # at most ~3 copies of the data at once
+    src = torch.empty(total, dtype=torch.uint8, device=device)
+    out["one_big_copy"] = timed(lambda: buf[:total].copy_(src), args, device)
+    return {k: round(2 * total / statistics.median(v) / 1e9, 3) for k, v in out.items()}
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    trainers = max(1, world // 2) if args.device == "cuda" else 2
+    group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
+                       num_trainers=trainers, timeout_s=args.timeout, device=device)
+    mine: dict[str, Any] = {"rank": rank, "role": "trainer" if group.is_trainer else "receiver"}
+    for name, (count, numel) in SHAPES[args.shapes].items():
+        mine[name] = dict(zip(("times", "stats"), bench_shape(group, name, count, numel, args),
+                              strict=True))
+    sync(device)
+    gathered = group.all_gather_bytes(json.dumps(mine).encode(), 1 << 20, "gather results")
+    if rank != 0:
+        group.destroy()
+        return None
+    ranks = [json.loads(g.decode()) for g in gathered]
+    report = build_report(ranks, group, args)
+    count, numel = SHAPES[args.shapes]["moe"]
+    report["pack_gbps"] = bench_pack(count, numel, device, args)
+    group.destroy()
+    return report
+
+
+def build_report(ranks: list[dict[str, Any]], group: RefitGroup,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """Per method: median over reps of the slowest rank's time (each rank timed itself)."""
+    report: dict[str, Any] = {"shapes": {}}
+    for name, (count, numel) in SHAPES[args.shapes].items():
+        nbytes = count * numel * DTYPE.itemsize
+        shape: dict[str, Any] = {"tensors": count, "numel_per_tensor": numel, "dtype": "bfloat16",
+                                 "total_bytes": nbytes, "methods": {}}
+        for m in METHODS:
+            per_rep = [max(r[name]["times"][m][i] for r in ranks)
+                       for i in range(len(ranks[0][name]["times"][m]))]
+            med = statistics.median(per_rep)
+            shape["methods"][m] = {
+                "median_s": round(med, 6), "gbps": round(nbytes / med / 1e9, 3),
+                "reps_s": [round(t, 6) for t in per_rep],
+                "per_rank_median_s": [round(statistics.median(r[name]["times"][m]), 6)
+                                      for r in ranks],
+            }
+        shape["refit_stats"] = {f"rank{r['rank']}_{r['role']}": r[name]["stats"] for r in ranks}
+        report["shapes"][name] = shape
+    t = {n: {m: s["methods"][m]["median_s"] for m in METHODS}
+         for n, s in report["shapes"].items()}
+    report["moe_coalesced_speedup_vs_naive"] = round(
+        t["moe"]["naive"] / t["moe"]["coalesced_2buf"], 3)
+    report["moe_double_buffer_time_over_raw"] = round(
+        t["moe"]["coalesced_2buf"] / t["moe"]["raw"], 3)
+    report["dense_double_buffer_time_over_raw"] = round(
+        t["dense"]["coalesced_2buf"] / t["dense"]["raw"], 3)
+    for n in t:
+        report[f"{n}_single_buffer_time_over_raw"] = round(
+            t[n]["coalesced_1buf"] / t[n]["raw"], 3)
+    report["hardware"] = {
+        "cpu_model": cpu_model(), "cpu_cores": os.cpu_count(), "machine": platform.machine(),
+        "gpu_name": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+        "gpu_count": torch.cuda.device_count() if args.device == "cuda" else 0,
+        "torch": torch.__version__, "backend": group.backend, "world_size": group.world_size,
+        "num_trainers": group.num_trainers,
+        "loadavg_1m_at_end": round(os.getloadavg()[0], 2),  # > cores: others share the box
+    }
+    report["settings"] = {
+        "mode": "quick" if args.quick else "full", "bucket_bytes": args.bucket_bytes,
+        "warmup": args.warmup, "reps": args.reps, "naive_reps": args.naive_reps,
+        "timeout_s": args.timeout, "alignment": 256,
+        "timing": "each rank times itself from a barrier; per rep the slowest rank; median",
+        "gbps": "payload bytes once (not counting fan-out) / time; pack: 2x bytes / time",
+        "sources": "tensor list cut in contiguous slices, one per trainer; raw from rank 0",
+        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NCCL_NVLS_ENABLE")},
+    }
+    if args.device == "cuda" and group.world_size == 1:
+        report["note"] = ("world size 1: a 1-GPU NCCL broadcast is a local no-op, so only "
+                          "packing/stream/launch overhead is measured, not transfer speed")
+    return report
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _child(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) -> None:
+    try:
+        q.put((rank, "ok", rank_main(rank, world, port, args)))
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(world: int, args: argparse.Namespace) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_child, args=(r, world, port, args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + args.deadline
+    try:
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                rank, status, value = q.get(timeout=1.0)
+                results[rank] = (status, value)
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs):
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(results.items()) if s != "ok"]
+    missing = [r for r in range(world) if r not in results]
+    if errors or missing or results[0][1] is None:
+        raise SystemExit("benchmark failed:\n" + "\n".join(errors)
+                         + (f"\nranks {missing} gave no result (died or timed out)" if missing
+                            else ""))
+    return results[0][1]
+
+
+def print_table(report: dict[str, Any]) -> None:
+    hw = report["hardware"]
+    print(f"refit broadcast bench: {hw['backend']} world {hw['world_size']} "
+          f"({hw['num_trainers']} trainers), torch {hw['torch']}, "
+          f"{hw['gpu_name'] or hw['cpu_model']}, "
+          f"bucket {report['settings']['bucket_bytes'] >> 20} MiB")
+    print(f"{'shape':<7}{'method':<16}{'median ms':>11}{'GB/s':>11}{'x raw':>10}{'x naive':>10}")
+    for name, shape in report["shapes"].items():
+        ms = shape["methods"]
+        for m, v in ms.items():
+            print(f"{name:<7}{m:<16}{v['median_s'] * 1e3:>11.2f}{v['gbps']:>11.2f}"
+                  f"{v['median_s'] / ms['raw']['median_s']:>10.2f}"
+                  f"{ms['naive']['median_s'] / v['median_s']:>10.2f}")
+        print(f"{'':<7}({shape['tensors']} x {shape['numel_per_tensor']} bf16 = "
+              f"{shape['total_bytes'] / 1e6:.0f} MB)")
+    print("pack of the MoE list, GB/s (read+write): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in report["pack_gbps"].items()))
+    if "note" in report:
+        print("note:", report["note"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CPU, gloo, small shapes (< 1 min)")
+    ap.add_argument("--bucket-mib", type=int, default=None, help="256 on GPU, 64 on CPU")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=None, help="timed runs (3 quick, 5 full)")
+    ap.add_argument("--naive-reps", type=int, default=None, help="timed naive runs (2 quick)")
+    ap.add_argument("--timeout", type=float, default=None, help="RefitConfig.timeout_s")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args()
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ["OMP_NUM_THREADS"] = "1" if args.quick else os.environ.get("OMP_NUM_THREADS", "1")
+    args.device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    args.shapes = "gpu" if args.device == "cuda" else "cpu"
+    args.bucket_bytes = (args.bucket_mib or (256 if args.device == "cuda" else 64)) << 20
+    args.reps = args.reps or (3 if args.quick else 5)
+    args.naive_reps = args.naive_reps or (2 if args.quick else 3)
+    args.timeout = args.timeout or (60.0 if args.quick else 300.0)
+    args.deadline = 10 * args.timeout
+    world = torch.cuda.device_count() if args.device == "cuda" else 3
+    t0 = time.perf_counter()
+    report = run_ranks(world, args)
+    report["wall_s"] = round(time.perf_counter() - t0, 1)
+    print_table(report)
+    line = json.dumps(report, separators=(",", ":"))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(json.dumps(report, indent=1) + "\n")
+    sys.stdout.flush()
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
