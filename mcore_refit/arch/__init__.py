@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mcore_refit.arch.deepseek_v3 import DEEPSEEK_V3
 from mcore_refit.arch.llama import LLAMA
 from mcore_refit.arch.qwen2 import QWEN2
 from mcore_refit.arch.qwen3 import QWEN3
@@ -13,6 +14,7 @@ CONVERTERS: dict[str, Converter] = {
     "qwen2": QWEN2,
     "qwen3": QWEN3,
     "qwen3_moe": QWEN3_MOE,
+    "deepseek_v3": DEEPSEEK_V3,
 }
 
 

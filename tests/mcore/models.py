@@ -43,6 +43,7 @@ class Arch:
     qk_norm: bool = False
     qkv_bias: bool = False
     moe: bool = False
+    mla: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -51,7 +52,9 @@ ARCHS = {
     "qwen2": Arch("qwen2", qkv_bias=True),
     "qwen3": Arch("qwen3", qk_norm=True),
     "qwen3_moe": Arch("qwen3_moe", qk_norm=True, moe=True),
+    "deepseek_v3": Arch("deepseek_v3", qk_norm=True, moe=True, mla=True),
 }
+Q_LORA, KV_LORA, NOPE, ROPE, V_DIM, SCALING = 48, 32, 16, 8, 16, 2.5
 HEADS, HEAD_DIM, FFN, EXPERTS, TOPK, MOE_FFN = 8, 16, 128, 4, 2, 32
 
 
@@ -75,7 +78,17 @@ def megatron_config(layout: Layout) -> Any:
                   moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
                   expert_model_parallel_size=layout.ep,
                   expert_tensor_parallel_size=layout.etp or layout.tp)
-    return TransformerConfig(**kw)
+    if not arch.mla:
+        return TransformerConfig(**kw)
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    kw.pop("kv_channels")
+    kw.update(q_lora_rank=Q_LORA, kv_lora_rank=KV_LORA, qk_head_dim=NOPE,
+              qk_pos_emb_head_dim=ROPE, v_head_dim=V_DIM, rope_type="rope", rotary_base=10000,
+              moe_layer_freq=[0] + [1] * (LAYERS - 1), moe_shared_expert_intermediate_size=MOE_FFN,
+              moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
+              moe_router_topk_scaling_factor=SCALING)
+    return MLATransformerConfig(**kw)
 
 
 def hf_config(layout: Layout) -> Any:
@@ -90,7 +103,15 @@ def hf_config(layout: Layout) -> Any:
     )
     if arch.model_type == "llama":
         kw.update(attention_bias=False, mlp_bias=False)
-    if arch.moe:
+    if arch.mla:
+        kw.pop("head_dim")
+        kw.update(n_routed_experts=EXPERTS, num_experts_per_tok=TOPK, n_shared_experts=1,
+                  moe_intermediate_size=MOE_FFN, first_k_dense_replace=1, n_group=1,
+                  topk_group=1, routed_scaling_factor=SCALING, norm_topk_prob=True,
+                  q_lora_rank=Q_LORA, kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE,
+                  qk_rope_head_dim=ROPE, v_head_dim=V_DIM, rope_interleave=True,
+                  num_key_value_heads=HEADS)
+    elif arch.moe:
         kw.update(num_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=MOE_FFN,
                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     cls = transformers.AutoConfig.for_model(arch.model_type, **kw)
@@ -106,11 +127,23 @@ def build_chunks(layout: Layout) -> list[torch.nn.Module]:
 
     config = megatron_config(layout)
     arch = ARCHS[layout.arch]
-    spec = get_gpt_layer_local_spec(num_experts=EXPERTS if arch.moe else None,
-                                    qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     chunks = []
     for v in range(layout.vpp or 1):
         vp = v if layout.vpp else None
+        if arch.mla:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+            from tests.mcore.mla_attention import MLACoreAttention, patch_megatron_mla
+
+            patch_megatron_mla()
+            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                              normalization="RMSNorm", vp_stage=vp)
+            for layer_spec in spec.layer_specs:
+                layer_spec.submodules.self_attention.submodules.core_attention = \
+                    MLACoreAttention
+        else:
+            spec = get_gpt_layer_local_spec(num_experts=EXPERTS if arch.moe else None,
+                                            qk_layernorm=arch.qk_norm, normalization="RMSNorm")
         chunks.append(GPTModel(
             config, spec, vocab_size=PADDED_VOCAB, max_sequence_length=64,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),

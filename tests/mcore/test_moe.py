@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.mcore.hfcheck import check
 from tests.mcore.models import Layout
@@ -23,3 +24,29 @@ def test_moe_layout_matches_transformers(pool, layout: Layout) -> None:
     results = pool.run(refit_job, layout, 5)
     diff = check(layout, results)
     assert diff <= 1e-4, f"{layout.label}: max |logits diff| {diff}"
+
+
+DSV3 = [
+    Layout("deepseek_v3", tp=1),
+    Layout("deepseek_v3", tp=2, ep=2, tied=True),
+    Layout("deepseek_v3", pp=2, ep=2),
+    Layout("deepseek_v3", tp=2, ep=4, etp=1),
+]
+
+
+@pytest.mark.parametrize("layout", DSV3, ids=lambda lay: lay.label)
+def test_deepseek_v3_layout_matches_transformers(pool, layout: Layout) -> None:
+    results = pool.run(refit_job, layout, 9)
+    diff = check(layout, results)
+    assert diff <= 1e-4, f"{layout.label}: max |logits diff| {diff}"
+
+
+def test_router_bias_stays_fp32_under_bf16(pool) -> None:
+    layout = Layout("deepseek_v3", tp=2, ep=2)
+    results = pool.run(refit_job, layout, 4, torch.bfloat16)
+    dtypes = {name: dtype for name, _, dtype, _ in results[0]["specs"]}
+    bias = [n for n in dtypes if n.endswith("e_score_correction_bias")]
+    assert len(bias) == 3 and all(dtypes[n] == "float32" for n in bias)
+    assert all(d == "bfloat16" for n, d in dtypes.items() if n not in bias)
+    sd = {k: v for r in results for k, v in r["tensors"].items()}
+    assert all(sd[n].dtype == torch.float32 for n in bias)
