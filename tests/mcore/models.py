@@ -24,6 +24,7 @@ class Layout:
     etp: int | None = None
     tied: bool = False
     groups: int = 2
+    wrap: bool = False  # hand the source DDP(wrapper(model)) chunks: `module.module.` names
 
     @property
     def label(self) -> str:
@@ -34,6 +35,7 @@ class Layout:
         parts += [f"etp{self.etp}"] if self.etp else []
         parts += ["tied"] if self.tied else []
         parts += [f"g{self.groups}"] if self.groups != 2 else []
+        parts += ["wrapped"] if self.wrap else []
         return "-".join(parts)
 
 
@@ -151,3 +153,20 @@ def build_chunks(layout: Layout) -> list[torch.nn.Module]:
             parallel_output=False, share_embeddings_and_output_weights=layout.tied,
             position_embedding_type="rope", rotary_base=10000, vp_stage=vp))
     return chunks
+
+
+class Wrapper(torch.nn.Module):
+    """Stands in for Float16Module (which would cast to bf16/fp16): adds a `module.` level."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def wrap_chunks(layout: Layout, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Megatron DDP around a `module.` wrapper, as training jobs hand their chunks over."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = megatron_config(layout)
+    return [DistributedDataParallel(config, DistributedDataParallelConfig(), Wrapper(c))
+            for c in chunks]

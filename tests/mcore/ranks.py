@@ -111,16 +111,20 @@ def refit_job(rank: int, world: int, layout: Layout, seed: int,
               dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Everything the parent checks: specs, this rank's yielded tensors, Megatron logits."""
     from common.plan import RefitPlan
+    from common.source import WeightSource
     from mcore_refit import MegatronWeightSource, converter_for
-    from tests.mcore.models import ARCHS
+    from tests.mcore.models import ARCHS, wrap_chunks
 
     setup_parallel(layout)
     chunks = build_chunks(layout)
     randomise(chunks, seed)
     ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(seed))
     logits = megatron_logits(layout, chunks, ids)
+    if layout.wrap:
+        chunks = wrap_chunks(layout, chunks)
     source = MegatronWeightSource(chunks, converter_for(ARCHS[layout.arch].model_type),
                                   vocab_size=VOCAB, dtype=dtype)
+    assert isinstance(source, WeightSource)
     specs = source.plan_specs()
     plan = RefitPlan.build(specs)
     mine: dict[str, torch.Tensor] = {}

@@ -18,6 +18,7 @@ DENSE = [
     Layout("qwen3", tp=2, pp=2),
     Layout("qwen3", pp=2, vpp=2, tied=True),
     Layout("qwen2", pp=2, vpp=2),
+    Layout("qwen3", tp=2, pp=2, vpp=2, tied=True, wrap=True),
 ]
 
 

@@ -19,6 +19,7 @@ MOE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", MOE, ids=lambda lay: lay.label)
 def test_moe_layout_matches_transformers(pool, layout: Layout) -> None:
     results = pool.run(refit_job, layout, 5)
@@ -34,6 +35,7 @@ DSV3 = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", DSV3, ids=lambda lay: lay.label)
 def test_deepseek_v3_layout_matches_transformers(pool, layout: Layout) -> None:
     results = pool.run(refit_job, layout, 9)
