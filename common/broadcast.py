@@ -26,7 +26,7 @@ import torch
 
 from common.errors import PlanMismatchError, RefitAborted, RefitError, TensorMismatchError
 from common.group import RefitGroup
-from common.packing import byte_view, pack, unpack
+from common.packing import BucketLayout, byte_view
 from common.plan import Bucket, RefitPlan, TensorSpec, align_up, dtype_name
 from common.source import WeightSource
 from common.wire import HEADER_BYTES, STATUS_ABORT, STATUS_OK, Header
@@ -96,6 +96,12 @@ class _Endpoint:
                         for _ in range(self.num_buffers)]
         self.headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8, device=dev)
                         for _ in range(self.num_buffers)]
+        # Each bucket always lands in the same buffer: its views are made once, here.
+        self.layouts = {
+            b.index: BucketLayout(self.bucket_buffer(b)[self.payload_start :],
+                                  plan.bucket_specs(b), b.offsets)
+            for b in plan.buckets if not b.oversize
+        }
 
     def header(self, bucket: Bucket, version: int, error: BaseException | None) -> Header:
         if error is None:
@@ -169,6 +175,9 @@ class RefitSender(_Endpoint):
         if self.group.rank != bucket.source_rank:
             return []  # not needed here: free them before this rank's receive buffer fills
         for i, (spec, (name, tensor)) in enumerate(zip(specs, items, strict=True)):
+            if (name == spec.name and tensor is not None and tensor.dtype == spec.dtype
+                    and tensor.shape == spec.shape):
+                continue  # the common case, kept cheap: MoE plans hold ~20,000 tensors
             if why := check_tensor(spec, name, tensor):
                 raise TensorMismatchError(f"{self.group.who}: refit v{version} bucket "
                                           f"{bucket.index} tensor #{bucket.start + i} {why}")
@@ -218,8 +227,7 @@ class RefitSender(_Endpoint):
                 if is_src:
                     buf[:HEADER_BYTES].copy_(header.encode())
                     if error is None:
-                        pack(buf[self.payload_start :], plan.bucket_specs(bucket),
-                             bucket.offsets, tensors)
+                        self.layouts[bucket.index].pack(tensors)
                 pending[slot] = [(group.broadcast(buf, bucket.source_rank), what)]
             stats.pack_s += time.perf_counter() - t1
             del tensors
@@ -294,8 +302,7 @@ class RefitReceiver(_Endpoint):
             if target is not None:
                 tensors = [(plan.specs[bucket.start].name, target)]
             else:
-                tensors = unpack(raw[self.payload_start :], plan.bucket_specs(bucket),
-                                 bucket.offsets)
+                tensors = self.layouts[bucket.index].unpack()
             t1 = time.perf_counter()
             try:
                 on_bucket(tensors)

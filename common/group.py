@@ -24,11 +24,11 @@ from common.errors import RefitCommError
 log = logging.getLogger(__name__)
 
 _NCCL_ENV = {
-    # Host-side blocking waits honour the timeout; a failed communicator is aborted and the
-    # error raised in this process instead of the watchdog tearing the process down.
-    "TORCH_NCCL_BLOCKING_WAIT": "1",
+    # On an NCCL error or timeout the watchdog aborts the communicator but leaves the process
+    # alive (the default tears the whole training process down); our wait raises instead.
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
 }
+_POLL_S = 20e-6  # NCCL's own blocking wait sleeps 1 ms between polls: too coarse per bucket
 
 
 @contextlib.contextmanager
@@ -115,12 +115,22 @@ class RefitGroup:
         """Finish `work` within the timeout or raise `RefitCommError` saying what it was."""
         t0 = time.perf_counter()
         try:
+            if self.backend == "nccl":
+                self._poll(work, t0 + self.timeout_s)
             work.wait(timedelta(seconds=self.timeout_s))
         except Exception as e:  # noqa: BLE001 - rewrap with who/where
             raise RefitCommError(
                 f"{self.who}: {what} failed after {time.perf_counter() - t0:.1f}s "
                 f"(timeout {self.timeout_s:.0f}s; a peer probably died or left the refit): {e}"
             ) from e
+
+    def _poll(self, work: dist.Work, deadline: float) -> None:
+        """Host-side wait for an NCCL work with a deadline; aborts the group when it passes."""
+        while not work.is_completed():
+            if time.perf_counter() > deadline:
+                self.destroy()  # abort the communicator so its kernels stop spinning
+                raise TimeoutError("NCCL collective did not complete")
+            time.sleep(_POLL_S)
 
     def broadcast_bytes(self, data: bytes | None, src: int, what: str) -> bytes:
         """Broadcast a byte string of any length from `src` (two collectives: length, data)."""

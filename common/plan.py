@@ -109,9 +109,8 @@ def cut_buckets(specs: Sequence[TensorSpec], config: RefitConfig) -> list[Bucket
         nonlocal start, offsets, end
         if stop > start:
             oversize = stop - start == 1 and specs[start].nbytes > config.bucket_bytes
-            nbytes = end if oversize else align_up(end, config.alignment)
             buckets.append(Bucket(len(buckets), specs[start].source_rank, start, stop,
-                                  tuple(offsets), nbytes, oversize))
+                                  tuple(offsets), end, oversize))
         start, offsets, end = stop, [], 0
 
     for i, spec in enumerate(specs):

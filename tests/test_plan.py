@@ -50,12 +50,12 @@ def test_buckets_are_bounded_aligned_ordered_and_single_source(items, bucket_byt
         if b.oversize:
             assert len(bspecs) == 1 and bspecs[0].nbytes > bucket_bytes
             continue
-        assert b.nbytes <= bucket_bytes and b.nbytes % alignment == 0
+        assert b.nbytes <= bucket_bytes
         end = 0
         for spec, offset in zip(bspecs, b.offsets, strict=True):
             assert offset % alignment == 0 and offset >= end
             end = offset + spec.nbytes
-        assert end <= b.nbytes
+        assert end == b.nbytes
     assert plan.buffer_bytes <= bucket_bytes
 
 
@@ -108,7 +108,7 @@ def test_oversize_tensor_gets_its_own_bucket() -> None:
              TensorSpec("b", (10,), torch.float32)]
     plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=4096))
     assert [b.oversize for b in plan.buckets] == [False, True, False]
-    assert plan.largest_oversize_bytes == 12000 and plan.buffer_bytes == 256
+    assert plan.largest_oversize_bytes == 12000 and plan.buffer_bytes == 40
 
 
 def test_duplicate_names_are_refused() -> None:

@@ -1,0 +1,70 @@
+"""CUDA code paths: NCCL refit group, packing on the GPU, measured GPU memory (skipped on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.broadcast import RefitSender
+from common.config import RefitConfig
+from common.group import RefitGroup
+from common.plan import RefitPlan
+from common.source import DictWeightSource
+from tests.multiproc import expect_ok, run_ranks
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+MIB = 1 << 20
+
+
+class GatheringSource(DictWeightSource):
+    """Yields fresh copies, like a gather that materialises each full tensor."""
+
+    def iter_tensors(self, plan):
+        for name, tensor in super().iter_tensors(plan):
+            yield name, tensor.clone()
+
+
+def model(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(version)
+    t = {f"experts.{i}.w": torch.randn(96 * 1024, generator=g, device="cuda").bfloat16()
+         for i in range(2000)}  # 2,000 small tensors: 375 MiB of bf16
+    t["embed"] = torch.randn(64 * MIB, generator=g, device="cuda").bfloat16()  # 128 MiB
+    t["router.bias"] = torch.randn(64, generator=g, device="cuda")
+    return t
+
+
+def nccl_rank(rank: int, world: int, port: int, buffers: int) -> dict:
+    torch.cuda.set_device(0)
+    bucket = 32 * MIB
+    config = RefitConfig(bucket_bytes=bucket, num_buffers=buffers, timeout_s=60)
+    group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=1, num_trainers=1,
+                       timeout_s=60)
+    assert group.backend == "nccl"
+    versions = [model(v) for v in range(3)]
+    source = GatheringSource(versions[0])
+    plan = RefitPlan.build(source.plan_specs(), config)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.max_memory_allocated()
+    sender = RefitSender.setup(group, plan)
+    times = []
+    for v in (1, 2):
+        source.tensors = versions[v]
+        times.append(sender.refit(source, v).seconds)
+    # The last bucket's buffer holds the packed tail of version 2, bit for bit.
+    last = max((b for b in plan.buckets if not b.oversize), key=lambda b: b.index)
+    packed = sender.layouts[last.index].unpack()
+    ok = all(torch.equal(t, versions[2][n]) for n, t in packed)
+    extra = torch.cuda.max_memory_allocated() - base
+    group.destroy()
+    return {"extra": extra, "bound": (buffers + 1) * bucket + 128 * MIB, "ok": ok,
+            "times": times, "buckets": len(plan.buckets)}
+
+
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+def test_nccl_world_size_one_refit_and_gpu_memory_bound(buffers: int) -> None:
+    (res,) = expect_ok(run_ranks(nccl_rank, 1, buffers)).values()
+    assert res["ok"], "packed bytes differ"
+    slack = 4 * MIB  # header buffers, caching-allocator rounding
+    assert res["extra"] <= res["bound"] + slack, res
+    print(res)
