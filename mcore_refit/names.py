@@ -75,3 +75,28 @@ def section(name: str) -> int:
     if name.startswith("decoder."):
         return 2
     return 3
+
+
+_GROUPED = re.compile(r"\.mlp\.experts\.weight([12])$")
+
+
+def grouped_slots(
+    name: str, tensor: torch.Tensor, num_local: int
+) -> list[tuple[str, int, torch.Tensor, int, int]] | None:
+    """Legacy GroupedMLP `experts.weight1/2` as per-slot views in local-spec layout.
+
+    GroupedMLP's forward reads `weight1.view(n_local, H, -1)[i]` as expert i's `x @ W` matrix
+    (the raw memory, not a column split) and `weight2.view(n_local, -1, H)[i]`; transposed,
+    these are exactly the local spec's ETP shards: fc1 rows `[gate_r; up_r]` (dim 0, stride 2),
+    fc2 `[H, I_r]` (dim 1). Returns (template with `{E}`, slot, view, dim, stride) per slot.
+    """
+    m = _GROUPED.search(name)
+    if m is None:
+        return None
+    prefix = name[: m.start()] + ".mlp.experts.{E}."
+    t = tensor.detach()
+    if m.group(1) == "1":
+        views = t.view(num_local, t.shape[0], -1).transpose(1, 2)
+        return [(prefix + "linear_fc1.weight", i, views[i], 0, 2) for i in range(num_local)]
+    views = t.view(num_local, -1, t.shape[1]).transpose(1, 2)
+    return [(prefix + "linear_fc2.weight", i, views[i], 1, 1) for i in range(num_local)]

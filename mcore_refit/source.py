@@ -105,6 +105,35 @@ class MegatronWeightSource:
                     self._where[target.name] = (ui, mi, ti)
 
     # --- metadata -----------------------------------------------------------------------
+    def _entries(self, wrapped: torch.nn.Module, model: torch.nn.Module, slots: int
+                 ) -> Iterator[tuple[str, str, int, int | None, torch.Tensor, bool, int, int]]:
+        """(raw, canonical name or {E} template, layer, slot, tensor, is_tp, dim, stride)."""
+        offsets = names.layer_offsets(model)
+        tensors = [(n, p, True) for n, p in wrapped.named_parameters()]
+        tensors += [(n, b, False) for n, b in wrapped.named_buffers()]
+        for raw, tensor, is_param in tensors:
+            name = names.strip_wrappers(raw)
+            if names.skipped(name) or (self.tied and name == "output_layer.weight"):
+                continue
+            name, layer = names.globalize_layer(name, offsets)
+            grouped = names.grouped_slots(name, tensor, slots)
+            if grouped is not None:
+                for template, slot, view, dim, stride in grouped:
+                    yield raw, template, layer, slot, view, True, dim, stride
+                continue
+            found = names.expert_slot(name)
+            probe = found[0].format(E=0) if found else name
+            if self.converter.match(probe) is None:
+                if is_param:
+                    raise KeyError(f"{self.converter.name}: no conversion rule for "
+                                   f"Megatron parameter {probe!r} (from {raw!r})")
+                continue  # non-weight buffers (rotary tables, token counters)
+            is_tp = bool(getattr(tensor, "tensor_model_parallel", False))
+            dim = int(getattr(tensor, "partition_dim", 0)) if is_tp else 0
+            stride = int(getattr(tensor, "partition_stride", 1)) if is_tp else 1
+            name, slot = found if found else (name, None)
+            yield raw, name, layer, slot, tensor, is_tp, dim, stride
+
     def _local_units(self, chunks: list[torch.nn.Module],
                      inner: list[torch.nn.Module]) -> list[_Unit]:
         ep = ps.get_expert_model_parallel_world_size()
@@ -112,38 +141,20 @@ class MegatronWeightSource:
         etp = ps.get_expert_tensor_parallel_world_size()
         slots = self.num_experts // ep if self.num_experts else 0
         units: list[_Unit] = []
-        seen: set[str] = set()
+        seen: set[tuple[str, int | None]] = set()
         for wrapped, model in zip(chunks, inner, strict=True):
-            offsets = names.layer_offsets(model)
-            tensors = [(n, p, True) for n, p in wrapped.named_parameters()]
-            tensors += [(n, b, False) for n, b in wrapped.named_buffers()]
-            for raw, tensor, is_param in tensors:
-                name = names.strip_wrappers(raw)
-                if names.skipped(name) or (self.tied and name == "output_layer.weight"):
+            for _, name, layer, slot, tensor, is_tp, dim, stride in self._entries(
+                    wrapped, model, slots):
+                if (name, slot) in seen:  # shared / tied parameters appear once
                     continue
-                name, layer = names.globalize_layer(name, offsets)
-                slot = names.expert_slot(name)
-                probe = slot[0].format(E=0) if slot else name
-                if self.converter.match(probe) is None:
-                    if is_param:
-                        raise KeyError(f"{self.converter.name}: no conversion rule for "
-                                       f"Megatron parameter {probe!r} (from {raw!r})")
-                    continue  # non-weight buffers (rotary tables, token counters)
-                if name in seen:
-                    continue
-                seen.add(name)
-                is_tp = bool(getattr(tensor, "tensor_model_parallel", False))
-                dim = int(getattr(tensor, "partition_dim", 0)) if is_tp else 0
-                stride = int(getattr(tensor, "partition_stride", 1)) if is_tp else 1
+                seen.add((name, slot))
                 shape = list(tensor.shape)
                 if is_tp:
-                    shape[dim] *= etp if slot else tp
-                if slot:
-                    template, index = slot
-                    ids = tuple(e * slots + index for e in range(ep))
+                    shape[dim] *= etp if slot is not None else tp
+                if slot is not None:
+                    ids = tuple(e * slots + slot for e in range(ep))
                     targets = tuple(tuple(self.converter.targets(
-                        template.format(E=e), tuple(shape), self.dims)) for e in ids)
-                    name = template
+                        name.format(E=e), tuple(shape), self.dims)) for e in ids)
                 else:
                     ids = ()
                     targets = (tuple(self.converter.targets(name, tuple(shape), self.dims)),)

@@ -139,3 +139,39 @@ def refit_job(rank: int, world: int, layout: Layout, seed: int,
         mine[name] = tensor.detach().clone()
     return {"specs": [s.to_json() for s in specs], "tensors": mine,
             "logits": logits if rank == 0 else None, "ids": ids}
+
+
+def to_grouped_layout(chunks: list[torch.nn.Module]) -> None:
+    """Re-lay each SequentialMLP's local experts as legacy GroupedMLP `weight1`/`weight2`
+    (which cannot be built here without the grouped_gemm package): memory block i of
+    weight1 viewed [n, H, X] is expert i's fc1 shard transposed, same for weight2 [n, X2, H]."""
+    for chunk in chunks:
+        for module in list(chunk.modules()):
+            local = getattr(module, "local_experts", None)
+            if local is None:
+                continue
+            w1 = torch.stack([e.linear_fc1.weight.detach().t() for e in local])  # [n, H, X]
+            w2 = torch.stack([e.linear_fc2.weight.detach().t() for e in local])  # [n, X2, H]
+            n, hidden = w1.shape[0], w1.shape[1]
+            module.local_experts = torch.nn.ModuleList()
+            module.weight1 = torch.nn.Parameter(w1.contiguous().view(hidden, -1))
+            module.weight2 = torch.nn.Parameter(w2.contiguous().view(n * w2.shape[1], hidden))
+
+
+def grouped_job(rank: int, world: int, layout: Layout, seed: int) -> tuple[dict, dict]:
+    """HF tensors of this rank from the local-spec experts and from their grouped layout."""
+    from common.plan import RefitPlan
+    from mcore_refit import MegatronWeightSource, converter_for
+
+    setup_parallel(layout)
+    chunks = build_chunks(layout)
+    randomise(chunks, seed)
+    out = []
+    for step in range(2):
+        if step:
+            to_grouped_layout(chunks)
+        source = MegatronWeightSource(chunks, converter_for(layout.arch), vocab_size=VOCAB,
+                                      dtype=torch.float32)
+        plan = RefitPlan.build(sorted(source.plan_specs(), key=lambda s: s.name))
+        out.append({n: t.clone() for n, t in source.iter_tensors(plan) if t is not None})
+    return out[0], out[1]

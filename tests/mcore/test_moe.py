@@ -7,7 +7,7 @@ import torch
 
 from tests.mcore.hfcheck import check
 from tests.mcore.models import Layout
-from tests.mcore.ranks import refit_job
+from tests.mcore.ranks import grouped_job, refit_job
 
 MOE = [
     Layout("qwen3_moe", ep=2),
@@ -52,3 +52,15 @@ def test_router_bias_stays_fp32_under_bf16(pool) -> None:
     assert all(d == "bfloat16" for n, d in dtypes.items() if n not in bias)
     sd = {k: v for r in results for k, v in r["tensors"].items()}
     assert all(sd[n].dtype == torch.float32 for n in bias)
+
+
+def test_grouped_mlp_layout_gives_the_same_experts(pool) -> None:
+    """Legacy GroupedMLP weight1/weight2 convert to the same HF tensors as the local experts."""
+    layout = Layout("qwen3_moe", tp=2, ep=2)
+    results = pool.run(grouped_job, layout, 13)
+    sequential = {k: v for seq, _ in results for k, v in seq.items()}
+    grouped = {k: v for _, grp in results for k, v in grp.items()}
+    assert sequential.keys() == grouped.keys()
+    assert any(".experts.3.up_proj" in k for k in grouped)
+    for name, tensor in sequential.items():
+        assert torch.equal(tensor, grouped[name]), name
