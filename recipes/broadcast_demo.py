@@ -63,7 +63,7 @@ def main() -> None:
     t0 = time.perf_counter()
     group = RefitGroup(host=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]) + 1,
                        rank=rank, world_size=world, num_trainers=TRAINERS,
-                       timeout_s=config.timeout_s)
+                       timeout_s=config.timeout_s, device="cpu")
     if group.is_trainer:
         source = DictWeightSource(weights(0))
         plan = RefitPlan.build(source.plan_specs(), config)

@@ -37,7 +37,7 @@ def join(rank: int, world: int, port: int, timeout_s: float = 30, name: str = "r
          bucket_bytes: int = 8 << 10):
     config = RefitConfig(bucket_bytes=bucket_bytes, num_buffers=2, timeout_s=timeout_s)
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
-                       num_trainers=TRAINERS, timeout_s=timeout_s, name=name)
+                       device="cpu", num_trainers=TRAINERS, timeout_s=timeout_s, name=name)
     return config, group
 
 

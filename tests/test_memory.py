@@ -54,7 +54,7 @@ def model(version: int) -> dict[str, torch.Tensor]:
 def memory_rank(rank: int, world: int, port: int, buffers: int) -> int:
     config = RefitConfig(bucket_bytes=BUCKET, num_buffers=buffers, timeout_s=60)
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
-                       num_trainers=2, timeout_s=60)
+                       device="cpu", num_trainers=2, timeout_s=60)
     versions = [model(v) for v in range(3)]  # made before the measured window
     weights = versions[0]
     if group.is_trainer:

@@ -39,7 +39,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def roundtrip_rank(rank: int, world: int, port: int, trainers: int, buffers: int) -> dict:
     config = RefitConfig(bucket_bytes=16 << 10, num_buffers=buffers, timeout_s=60)
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
-                       num_trainers=trainers, timeout_s=config.timeout_s)
+                       device="cpu", num_trainers=trainers, timeout_s=config.timeout_s)
     out = {}
     if group.is_trainer:
         source = DictWeightSource(make_tensors(0))
