@@ -210,25 +210,30 @@ class RefitSender(_Endpoint):
                     error, it = error or e, None
                 stats.produce_s += time.perf_counter() - t1
             is_src = group.rank == bucket.source_rank
-            header = self.header(bucket, version, error)
             what = f"refit v{version} bucket {bucket.index}/{len(plan.buckets)}"
             t1 = time.perf_counter()
+            payload = None
+            if is_src and error is None:
+                try:  # a failing pack (device, memory) becomes an ABORT like any other error
+                    if bucket.oversize:
+                        payload = byte_view(tensors[0].contiguous())
+                    else:
+                        self.layouts[bucket.index].pack(tensors)
+                except Exception as e:  # noqa: BLE001 - reported to every rank
+                    error = RefitError(f"{group.who}: packing {what} failed: {e}")
+            # The header leads the bucket's own buffer, or has a buffer of its own (oversize).
+            wire = self.headers[slot] if bucket.oversize else self.bucket_buffer(bucket)
+            if is_src:
+                wire[:HEADER_BYTES].copy_(self.header(bucket, version, error).encode())
+            src = bucket.source_rank
             if bucket.oversize:
-                hbuf = self.headers[slot]
-                if is_src:
-                    hbuf.copy_(header.encode())
-                payload = (byte_view(tensors[0].contiguous()) if is_src and error is None
-                           else torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device))
-                pending[slot] = [(group.broadcast(hbuf, bucket.source_rank), what + " header"),
-                                 (group.broadcast(payload, bucket.source_rank), what)]
+                if payload is None:  # not the source, or aborting: bytes to receive / discard
+                    payload = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
+                pending[slot] = [(group.broadcast(wire, src), what + " header"),
+                                 (group.broadcast(payload, src), what)]
                 held[slot] = payload  # alive until its broadcast is waited
             else:
-                buf = self.bucket_buffer(bucket)
-                if is_src:
-                    buf[:HEADER_BYTES].copy_(header.encode())
-                    if error is None:
-                        self.layouts[bucket.index].pack(tensors)
-                pending[slot] = [(group.broadcast(buf, bucket.source_rank), what)]
+                pending[slot] = [(group.broadcast(wire, src), what)]
             stats.pack_s += time.perf_counter() - t1
             del tensors
         for s in range(self.num_buffers):

@@ -105,6 +105,24 @@ def test_drifted_dtype_fails_on_all_ranks_before_its_bucket() -> None:
         assert "layers.5.weight" not in seen and seen == names[: len(seen)]
 
 
+def unpackable_rank(rank: int, world: int, port: int) -> tuple:
+    config, group = join(rank, world, port)
+    if group.is_trainer:
+        weights = tensors()
+        source = DictWeightSource(weights)
+        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
+        weights["layers.2.weight"] = torch.empty(32, 32, device="meta")  # right spec, no data
+        return outcome(lambda: sender.refit(source, 1))
+    return outcome(lambda: receive_all(RefitReceiver.setup(group)))
+
+
+def test_tensor_that_cannot_be_packed_aborts_the_refit_everywhere() -> None:
+    res = expect_ok(run_ranks(unpackable_rank, 3))
+    assert res[0][0] == "RefitError" and "packing refit v1 bucket" in res[0][1], res[0]
+    for rank in (1, 2):
+        assert res[rank][0] == "RefitAborted" and "packing refit v1" in res[rank][1], res[rank]
+
+
 def failing_loader_rank(rank: int, world: int, port: int) -> tuple:
     config, group = join(rank, world, port)
     if group.is_trainer:
