@@ -10,6 +10,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from common.source import DictWeightSource
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -79,3 +81,11 @@ def receive_all(receiver: Any) -> tuple[Any, dict]:
     got: dict = {}
     stats = receiver.receive(lambda items: got.update({n: t.clone() for n, t in items}))
     return stats, got
+
+
+class GatheringSource(DictWeightSource):
+    """Yields fresh copies, like a gather that materialises each full tensor."""
+
+    def iter_tensors(self, plan):
+        for name, tensor in super().iter_tensors(plan):
+            yield name, tensor.clone()

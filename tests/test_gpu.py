@@ -9,19 +9,10 @@ from common.broadcast import RefitSender
 from common.config import RefitConfig
 from common.group import RefitGroup
 from common.plan import RefitPlan
-from common.source import DictWeightSource
-from tests.multiproc import expect_ok, run_ranks
+from tests.multiproc import GatheringSource, expect_ok, run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MIB = 1 << 20
-
-
-class GatheringSource(DictWeightSource):
-    """Yields fresh copies, like a gather that materialises each full tensor."""
-
-    def iter_tensors(self, plan):
-        for name, tensor in super().iter_tensors(plan):
-            yield name, tensor.clone()
 
 
 def model(version: int) -> dict[str, torch.Tensor]:

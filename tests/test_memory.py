@@ -14,8 +14,7 @@ from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
 from common.group import RefitGroup
 from common.plan import RefitPlan
-from common.source import DictWeightSource
-from tests.multiproc import expect_ok, run_ranks
+from tests.multiproc import GatheringSource, expect_ok, run_ranks
 
 MIB = 1 << 20
 BUCKET = 8 * MIB
@@ -34,14 +33,6 @@ def peak_rss() -> int:
 def reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-
-
-class GatheringSource(DictWeightSource):
-    """Yields fresh copies, like a gather that materialises each full tensor."""
-
-    def iter_tensors(self, plan):
-        for name, tensor in super().iter_tensors(plan):
-            yield name, tensor.clone()
 
 
 def model(version: int) -> dict[str, torch.Tensor]:
