@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from common.pack_kernel import KernelPack, kernel_available
 from common.plan import TensorSpec
 
 
@@ -56,14 +57,30 @@ class BucketLayout:
             else:
                 self.views.append(None)
                 self.misaligned.append(i)
+        # On CUDA with Triton, every aligned slot is copied by one launch (dtype-agnostic bytes).
+        self.kernel_idx = sorted(i for idx, _ in self.groups.values() for i in idx)
+        self.kernel = None
+        if kernel_available(buffer.device) and self.kernel_idx:
+            self.kernel = KernelPack(buffer, [self.offsets[i] for i in self.kernel_idx],
+                                     [self.specs[i].nbytes for i in self.kernel_idx])
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy `tensors` (already checked against the specs) into the buffer."""
-        for idx, dsts in self.groups.values():
-            torch._foreach_copy_(dsts, [tensors[i] for i in idx], non_blocking=True)
+        if not self._pack_kernel(tensors):
+            for idx, dsts in self.groups.values():
+                torch._foreach_copy_(dsts, [tensors[i] for i in idx], non_blocking=True)
         for i in self.misaligned:
             o, n = self.offsets[i], self.specs[i].nbytes
             self.buffer[o : o + n].copy_(byte_view(tensors[i].contiguous()), non_blocking=True)
+
+    def _pack_kernel(self, tensors: Sequence[torch.Tensor]) -> bool:
+        if self.kernel is None:
+            return False
+        srcs = [tensors[i] for i in self.kernel_idx]
+        device = self.buffer.device
+        if not all(t.is_contiguous() and t.device == device for t in srcs):
+            return False
+        return self.kernel.pack(srcs)
 
     def unpack(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) per spec; views alias the buffer and are valid until it is reused."""

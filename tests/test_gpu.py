@@ -59,3 +59,29 @@ def test_nccl_world_size_one_refit_and_gpu_memory_bound(buffers: int) -> None:
     slack = 4 * MIB  # header buffers, caching-allocator rounding
     assert res["extra"] <= res["bound"] + slack, res
     print(res)
+
+
+def test_one_launch_pack_kernel_is_bitwise_and_falls_back_for_misaligned_sources() -> None:
+    from common.packing import BucketLayout
+    from common.plan import TensorSpec
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [torch.randn(n, generator=g, device="cuda").to(dt)
+               for n, dt in [(5000, torch.bfloat16), (33, torch.float32), (7, torch.bfloat16),
+                             (70000, torch.float16), (1, torch.float32)]]
+    tensors.append(torch.arange(9, device="cuda") % 2 == 0)
+    specs = [TensorSpec.of(f"t{i}", t) for i, t in enumerate(tensors)]
+    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=1 << 20))
+    (bucket,) = plan.buckets
+    buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device="cuda")
+    layout = BucketLayout(buf, specs, bucket.offsets)
+    assert layout.kernel is not None
+    assert layout.kernel.pack(tensors)  # the one-launch path itself
+    assert all(torch.equal(v, t) for (_, v), t in zip(layout.unpack(), tensors, strict=True))
+    buf.zero_()
+    shifted = torch.randn(5001, generator=g, device="cuda").bfloat16()[1:]  # 2-byte aligned only
+    odd = [shifted, *tensors[1:]]
+    layout.pack(odd)  # unit 2 still fits a bf16 view; a 1-byte-shifted source would fall back
+    assert all(torch.equal(v, t) for (_, v), t in zip(layout.unpack(), odd, strict=True))
+    raw = torch.zeros(20002, dtype=torch.uint8, device="cuda")[1:10001].view(torch.uint8)
+    assert not layout.kernel.pack([raw, *tensors[1:]]) or layout.kernel.unit == 1
