@@ -58,18 +58,19 @@ class KernelPack:
         self.chunk_slot = torch.tensor(slots, dtype=torch.int32, device=dev)
         self.chunk_start = torch.tensor(starts, dtype=torch.int64, device=dev)
 
-    def pack(self, srcs: Sequence[torch.Tensor]) -> bool:
-        """Copy `srcs` (contiguous, on the buffer's device); False if one is misaligned."""
+    def aligned(self, srcs: Sequence[torch.Tensor]) -> bool:
+        """Whether every source address is a multiple of the copy unit."""
+        return all(t.data_ptr() % self.unit == 0 for t in srcs)
+
+    def pack(self, srcs: Sequence[torch.Tensor]) -> None:
+        """Copy `srcs` (contiguous, aligned, on the buffer's device) in one launch."""
+        if not self.chunk_slot.numel():
+            return
         ptrs = [t.data_ptr() for t in srcs]
-        if any(p % self.unit for p in ptrs):
-            return False
-        if not ptrs or not self.chunk_slot.numel():
-            return True
         src_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=self.dst.device)
         _copy_chunks[(self.chunk_slot.numel(),)](
             src_ptrs, self.dst, self.dst_offs, self.sizes, self.chunk_slot, self.chunk_start,
             BLOCK=BLOCK)
-        return True
 
 
 def kernel_available(device: torch.device) -> bool:

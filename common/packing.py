@@ -9,6 +9,7 @@ views per refit costs more than the copy itself.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -57,12 +58,20 @@ class BucketLayout:
             else:
                 self.views.append(None)
                 self.misaligned.append(i)
-        # On CUDA with Triton, every aligned slot is copied by one launch (dtype-agnostic bytes).
-        self.kernel_idx = sorted(i for idx, _ in self.groups.values() for i in idx)
-        self.kernel = None
-        if kernel_available(buffer.device) and self.kernel_idx:
-            self.kernel = KernelPack(buffer, [self.offsets[i] for i in self.kernel_idx],
-                                     [self.specs[i].nbytes for i in self.kernel_idx])
+        # On CUDA with Triton, aligned slots are copied as bytes in one launch per copy unit
+        # (8, 4, 2 or 1 bytes: the widest that divides the slot's offset and size).
+        self.kernels: list[tuple[list[int], KernelPack]] = []
+        if kernel_available(buffer.device):
+            by_unit: dict[int, list[int]] = {}
+            for idx, _ in self.groups.values():
+                for i in idx:
+                    unit = math.gcd(8, buffer.data_ptr() + self.offsets[i], self.specs[i].nbytes)
+                    by_unit.setdefault(unit, []).append(i)
+            self.kernels = [
+                (idx, KernelPack(buffer, [self.offsets[i] for i in idx],
+                                 [self.specs[i].nbytes for i in idx]))
+                for _, idx in sorted(by_unit.items(), reverse=True)
+            ]
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy `tensors` (already checked against the specs) into the buffer."""
@@ -74,13 +83,18 @@ class BucketLayout:
             self.buffer[o : o + n].copy_(byte_view(tensors[i].contiguous()), non_blocking=True)
 
     def _pack_kernel(self, tensors: Sequence[torch.Tensor]) -> bool:
-        if self.kernel is None:
+        """Pack every aligned slot with the one-launch kernels; False: use the foreach copy."""
+        if not self.kernels:
             return False
-        srcs = [tensors[i] for i in self.kernel_idx]
         device = self.buffer.device
-        if not all(t.is_contiguous() and t.device == device for t in srcs):
+        if not all(t.is_contiguous() and t.device == device for t in tensors):
             return False
-        return self.kernel.pack(srcs)
+        srcs = [[tensors[i] for i in idx] for idx, _ in self.kernels]
+        if not all(k.aligned(s) for (_, k), s in zip(self.kernels, srcs, strict=True)):
+            return False
+        for (_, kernel), s in zip(self.kernels, srcs, strict=True):
+            kernel.pack(s)
+        return True
 
     def unpack(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) per spec; views alias the buffer and are valid until it is reused."""

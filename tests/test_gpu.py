@@ -75,13 +75,12 @@ def test_one_launch_pack_kernel_is_bitwise_and_falls_back_for_misaligned_sources
     (bucket,) = plan.buckets
     buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device="cuda")
     layout = BucketLayout(buf, specs, bucket.offsets)
-    assert layout.kernel is not None
-    assert layout.kernel.pack(tensors)  # the one-launch path itself
+    assert sorted(k.unit for _, k in layout.kernels) == [1, 2, 4, 8]  # bool 9 B, bf16 7 x 2 B..
+    assert layout._pack_kernel(tensors)  # the one-launch path itself
     assert all(torch.equal(v, t) for (_, v), t in zip(layout.unpack(), tensors, strict=True))
     buf.zero_()
-    shifted = torch.randn(5001, generator=g, device="cuda").bfloat16()[1:]  # 2-byte aligned only
+    shifted = torch.randn(5001, generator=g, device="cuda").bfloat16()[1:]  # 2-byte aligned
     odd = [shifted, *tensors[1:]]
-    layout.pack(odd)  # unit 2 still fits a bf16 view; a 1-byte-shifted source would fall back
+    assert not layout._pack_kernel(odd)  # its slot copies 8-byte units: falls back
+    layout.pack(odd)
     assert all(torch.equal(v, t) for (_, v), t in zip(layout.unpack(), odd, strict=True))
-    raw = torch.zeros(20002, dtype=torch.uint8, device="cuda")[1:10001].view(torch.uint8)
-    assert not layout.kernel.pack([raw, *tensors[1:]]) or layout.kernel.unit == 1
