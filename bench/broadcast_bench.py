@@ -152,10 +152,20 @@ def bench_pack(count: int, numel: int, device: torch.device,
             buf[o : o + s.nbytes].copy_(byte_view(t), non_blocking=True)
 
     layout = BucketLayout(buf, specs, offsets)  # views made once, as a refit does
+
+    def foreach() -> None:
+        for idx, dsts in layout.groups:
+            torch._foreach_copy_(dsts, tensors if idx is None else [tensors[i] for i in idx])
+
     out = {
-        "pack_foreach": timed(lambda: layout.pack(tensors), args, device),
+        "pack": timed(lambda: layout.pack(tensors), args, device),  # what a refit runs
+        "pack_foreach": timed(foreach, args, device),
         "per_tensor_copy_loop": timed(loop, args, device),
     }
+    if layout.kernels:  # the one-launch kernel alone: source pointers prepared beforehand
+        ((_, kernel),) = layout.kernels
+        ptrs = [t.data_ptr() for t in tensors]
+        out["pack_kernel_gpu_only"] = timed(lambda: kernel.pack(ptrs), args, device)
     tensors.clear()  # at most ~3 copies of the data at once
     src = torch.empty(total, dtype=torch.uint8, device=device)
     out["one_big_copy"] = timed(lambda: buf[:total].copy_(src), args, device)

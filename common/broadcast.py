@@ -244,7 +244,6 @@ class RefitSender(_Endpoint):
         return self.finish(stats, error, t0)
 
 
-
 class RefitReceiver(_Endpoint):
     """Runs on every inference rank: receives each bucket and hands its tensors to a callback."""
 

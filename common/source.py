@@ -52,8 +52,10 @@ class DictWeightSource:
         ]
 
     def iter_tensors(self, plan: RefitPlan) -> Iterator[tuple[str, torch.Tensor | None]]:
+        get, dtypes = self.tensors.get, self.dtypes
         for spec in plan.specs:
-            tensor = self.tensors.get(spec.name)
-            if tensor is not None and spec.name in self.dtypes:
-                tensor = tensor.to(self.dtypes[spec.name])
-            yield spec.name, tensor
+            name = spec.name
+            tensor = get(name)
+            if dtypes and tensor is not None and name in dtypes:
+                tensor = tensor.to(dtypes[name])
+            yield name, tensor
