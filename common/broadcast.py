@@ -17,6 +17,7 @@ ABORT headers instead of payloads; receivers stop loading at the first ABORT.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -165,13 +166,10 @@ class RefitSender(_Endpoint):
 
     def _take(self, it: Iterator, bucket: Bucket, version: int) -> list:
         specs = self.plan.bucket_specs(bucket)
-        items = []
-        for spec in specs:
-            try:
-                items.append(next(it))
-            except StopIteration:
-                raise RefitError(f"weight source ended at {spec.name!r} (tensor #{len(items)} "
-                                 f"of bucket {bucket.index}); the plan has more") from None
+        items = list(itertools.islice(it, len(specs)))
+        if len(items) < len(specs):
+            raise RefitError(f"weight source ended at {specs[len(items)].name!r} (tensor "
+                             f"#{bucket.start + len(items)}); the plan has {len(self.plan.specs)}")
         if self.group.rank != bucket.source_rank:
             return []  # not needed here: free them before this rank's receive buffer fills
         for i, (spec, (name, tensor)) in enumerate(zip(specs, items, strict=True)):

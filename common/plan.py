@@ -12,6 +12,7 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -53,11 +54,11 @@ class TensorSpec:
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"TensorSpec {self.name!r}: dtype {self.dtype!r} is not a torch.dtype")
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
@@ -156,11 +157,11 @@ class RefitPlan:
     def build(cls, specs: Iterable[TensorSpec], config: RefitConfig | None = None) -> RefitPlan:
         return cls(tuple(specs), config or RefitConfig())
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 
-    @property
+    @cached_property
     def buffer_bytes(self) -> int:
         """Size of one bucket buffer: the largest non-oversize bucket payload."""
         return max((b.nbytes for b in self.buckets if not b.oversize), default=0)
