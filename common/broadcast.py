@@ -173,7 +173,7 @@ class RefitSender(_Endpoint):
         if self.group.rank != bucket.source_rank:
             return []  # not needed here: free them before this rank's receive buffer fills
         for i, (spec, (name, tensor)) in enumerate(zip(specs, items, strict=True)):
-            if (name == spec.name and tensor is not None and tensor.dtype == spec.dtype
+            if (name == spec.name and tensor is not None and tensor.dtype is spec.dtype
                     and tensor.shape == spec.shape):
                 continue  # the common case, kept cheap: MoE plans hold ~20,000 tensors
             if why := check_tensor(spec, name, tensor):

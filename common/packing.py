@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import reduce
+from operator import or_
 
 import torch
 
@@ -95,7 +97,7 @@ class BucketLayout:
                 return False
         ptrs = [t.data_ptr() for t in tensors]
         tables = [(k, ptrs if idx is None else [ptrs[i] for i in idx]) for idx, k in self.kernels]
-        if any(p % k.unit for k, table in tables for p in table):
+        if any(reduce(or_, table, 0) & (k.unit - 1) for k, table in tables):
             return False  # a source not aligned to its slot's copy unit
         for kernel, table in tables:
             kernel.pack(table)
