@@ -22,6 +22,7 @@ class Case:
     out_dtype: torch.dtype = torch.bfloat16
     bias_fp32: bool = True
     forward: bool = False
+    mp_bf16: bool = False  # FSDP2 MixedPrecisionPolicy(param_dtype=bf16) over fp32 masters
     seed: int = 0
 
     @property
@@ -32,7 +33,8 @@ class Case:
         dt = {torch.float32: "fp32", torch.bfloat16: "bf16"}
         return (f"{self.arch}-dp{self.dp}tp{self.tp}{'-tied' if self.tie else ''}-"
                 f"{dt[self.model_dtype]}to{dt[self.out_dtype]}"
-                f"{'' if self.bias_fp32 else '-biasbf16'}{'-fwd' if self.forward else ''}")
+                f"{'' if self.bias_fp32 else '-biasbf16'}{'-fwd' if self.forward else ''}"
+                f"{'-mpbf16' if self.mp_bf16 else ''}")
 
 
 def bias_names(model: torch.nn.Module) -> list[str]:
@@ -81,7 +83,7 @@ def _tp_plan(model: torch.nn.Module, tied: bool) -> dict:
 def shard_model(model: torch.nn.Module, case: Case) -> None:
     """TP (parallelize_module; fused experts Shard(1)/Shard(2)) then FSDP2 on the dp dim."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -98,6 +100,7 @@ def shard_model(model: torch.nn.Module, case: Case) -> None:
     else:
         dp_mesh = init_device_mesh("cpu", (case.dp,), mesh_dim_names=("dp",))
     if dp_mesh is not None:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if case.mp_bf16 else None)
         for layer in model.model.layers:
-            fully_shard(layer, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+            fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
