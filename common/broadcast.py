@@ -61,11 +61,18 @@ class RefitStats:
                 f"{self.wait_s * 1e3:.1f} ms, load {self.load_s * 1e3:.1f} ms)")
 
 
-def agree_on_plan(group: RefitGroup, plan: RefitPlan | None) -> RefitPlan:
+PlanCheck = Callable[[RefitPlan], str | None]
+
+
+def agree_on_plan(
+    group: RefitGroup, plan: RefitPlan | None, check: PlanCheck | None = None
+) -> RefitPlan:
     """Setup handshake: every rank ends with rank 0's plan, or every rank raises.
 
     A rank passing its own plan (every trainer, and a receiver that expects one) fails the
     setup everywhere if it differs, and the error names the ranks and the first difference.
+    `check` lets a receiver refuse the plan (e.g. a tensor its model does not have): its
+    answer reaches every rank the same way.
     """
     if group.rank == 0 and plan is None:
         raise ValueError("refit rank 0 (the first trainer) must provide the plan")
@@ -76,6 +83,11 @@ def agree_on_plan(group: RefitGroup, plan: RefitPlan | None) -> RefitPlan:
         problem = f"plan {plan.digest[:12]} differs from rank 0's {theirs.digest[:12]}: {diff}"
     if not problem and (bad := [b for b in theirs.buckets if b.source_rank >= group.num_trainers]):
         problem = f"bucket {bad[0].index} has source rank {bad[0].source_rank}, not a trainer"
+    if not problem and check is not None:
+        try:
+            problem = check(theirs) or ""
+        except Exception as e:  # noqa: BLE001 - a broken check must still reach every rank
+            problem = f"plan check raised {type(e).__name__}: {e}"
     statuses = group.all_gather_bytes(problem.encode(), _STATUS_BYTES, "plan check")
     failed = {r: s.decode(errors="replace") for r, s in enumerate(statuses) if s}
     if failed:
@@ -246,11 +258,22 @@ class RefitReceiver(_Endpoint):
     """Runs on every inference rank: receives each bucket and hands its tensors to a callback."""
 
     @classmethod
-    def setup(cls, group: RefitGroup, plan: RefitPlan | None = None) -> RefitReceiver:
-        """Join the plan handshake; pass `plan` to insist on it (mismatch fails everywhere)."""
+    def setup(
+        cls,
+        group: RefitGroup,
+        plan: RefitPlan | None = None,
+        check: PlanCheck | None = None,
+    ) -> RefitReceiver:
+        """Join the plan handshake; pass `plan` to insist on it, `check` to vet rank 0's plan
+        (a mismatch or a refusal fails the setup on every rank)."""
         if group.is_trainer:
             raise ValueError(f"{group.who} is a training rank; use RefitSender")
-        return cls(group, agree_on_plan(group, plan))
+        return cls(group, agree_on_plan(group, plan, check))
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a view into one of this receiver's reusable buffers."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(ptr == b.untyped_storage().data_ptr() for b in self.buffers)
 
     def _post(self, bucket: Bucket) -> tuple[list, torch.Tensor | None]:
         what = f"refit bucket {bucket.index}/{len(self.plan.buckets)}"
