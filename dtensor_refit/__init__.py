@@ -1,4 +1,14 @@
-"""DTensor / FSDP2 weight source: full HF-checkpoint tensors from sharded transformers models."""
+"""DTensor / FSDP2 weight source: full HF-checkpoint tensors from sharded transformers models.
+
+On every training rank, after `fully_shard` (and optionally `parallelize_module`):
+
+    source = DTensorWeightSource(model, DtypePolicy(torch.bfloat16))   # once, no collective
+    sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
+    sender.refit(source, version)   # every rank: gathers in plan order, rank 0 sends
+
+Optionally, before joining: `compare_with_checkpoint(source.plan_specs(),
+checkpoint_specs(base_model_dir))` lists every name / shape the engine's checkpoint disagrees on.
+"""
 
 from dtensor_refit.checkpoint import checkpoint_specs, compare_with_checkpoint
 from dtensor_refit.layout import LayoutError, model_entries

@@ -1,73 +1,38 @@
-"""Name -> (shape, dtype) of a HF checkpoint folder, from the safetensors headers alone.
+"""Training-side pre-flight: does a plan fit a HF checkpoint folder (names, shapes, dtypes)?
 
-Lets a plan be checked against the checkpoint a vLLM engine was started from (the names and
-shapes `load_weights` will accept) without reading a single tensor: each `.safetensors` file
-starts with an 8-byte little-endian header length and a JSON header of
-`{name: {"dtype", "shape", "data_offsets"}}`. Nothing here is training-specific; it belongs in
-common/ once the receiver side wants it.
+The receiver vets the plan against the checkpoint its engine started from
+(`common.vllm_worker`); a trainer that can see the same folder (the base model it started
+from) can run the same check before it ever joins the refit group, and get every problem at
+once instead of the first. Headers are read by `common.checkpoint` (no tensor data is read).
 """
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from common.plan import TensorSpec
+from common.checkpoint import checkpoint_tensors
+from common.plan import TensorSpec, dtype_from_name
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+CheckpointSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-def read_header(path: str | Path) -> dict[str, dict]:
-    """The JSON header of one safetensors file (tensor entries only, no `__metadata__`)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (size,) = struct.unpack("<Q", raw)
-        if size > _MAX_HEADER:
-            raise ValueError(f"{path}: safetensors header of {size} bytes is implausible")
-        header = json.loads(f.read(size))
-    header.pop("__metadata__", None)
-    return header
-
-
-def checkpoint_specs(folder: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{name: (shape, dtype)} over every `*.safetensors` file of a checkpoint folder."""
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}")
-    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for path in files:
-        for name, info in read_header(path).items():
-            if name in out:
-                raise ValueError(f"{name!r} is stored twice in {folder}")
-            dtype = SAFETENSORS_DTYPES.get(info["dtype"])
-            if dtype is None:
-                raise ValueError(f"{path.name}: {name!r} has unknown dtype {info['dtype']!r}")
-            out[name] = (tuple(int(s) for s in info["shape"]), dtype)
-    return out
+def checkpoint_specs(folder: str | Path) -> CheckpointSpecs:
+    """{name: (shape, torch dtype)} over every `*.safetensors` file of a checkpoint folder."""
+    return {name: (tuple(int(s) for s in shape), dtype_from_name(dtype))
+            for name, (shape, dtype) in checkpoint_tensors(folder).items()}
 
 
 def compare_with_checkpoint(
-    specs: Iterable[TensorSpec],
-    checkpoint: dict[str, tuple[tuple[int, ...], torch.dtype]],
-    check_dtype: bool = False,
+    specs: Iterable[TensorSpec], checkpoint: CheckpointSpecs, check_dtype: bool = False
 ) -> list[str]:
     """Every way `specs` disagrees with `checkpoint` (names both ways, shapes; dtypes if asked).
 
-    Dtypes are not compared by default: a checkpoint saved from a bf16 model stores the router
-    bias in bf16 while the refit declares it fp32 (vLLM keeps it fp32), and the inference dtype
-    may legitimately differ from the stored one. An empty list means the plan fits.
+    Dtypes are not compared by default: a checkpoint saved from a `model.to(bf16)` model
+    stores the router bias in bf16 while the refit declares it fp32 (vLLM keeps it fp32), and
+    the inference dtype may differ from the stored one. An empty list means the plan fits.
     """
     problems: list[str] = []
     seen: set[str] = set()

@@ -23,13 +23,20 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def saved(model: torch.nn.Module, policy) -> dict[str, torch.Tensor]:
-    """What save_pretrained writes, read back with safetensors, then cast by the policy."""
+def saved(model: torch.nn.Module, policy, headers: dict | None = None) -> dict[str, torch.Tensor]:
+    """What save_pretrained writes, read back with safetensors, then cast by the policy.
+
+    `headers`, if given, receives the checkpoint's {name: (shape, dtype)} from its headers.
+    """
     from safetensors.torch import load_file
+
+    from dtensor_refit import checkpoint_specs
 
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         raw = load_file(f"{d}/model.safetensors")
+        if headers is not None:
+            headers.update(checkpoint_specs(d))
     return {n: t.to(policy.dtype_for(n, t.dtype)) for n, t in raw.items()}
 
 
@@ -104,6 +111,7 @@ def refit_job(rank: int, world: int, ports: tuple[int, int], case: Case) -> dict
     from common.config import RefitConfig
     from common.group import RefitGroup
     from common.plan import RefitPlan
+    from dtensor_refit import compare_with_checkpoint
     from tests.multiproc import receive_all
 
     trainers = case.trainers
@@ -133,8 +141,13 @@ def refit_job(rank: int, world: int, ports: tuple[int, int], case: Case) -> dict
             dist.destroy_process_group()
     group = RefitGroup(host="127.0.0.1", port=ports[1], rank=rank, world_size=trainers + 1,
                        num_trainers=trainers, device="cpu", timeout_s=config.timeout_s)
-    receiver = RefitReceiver.setup(group)
-    want = saved(build_unsharded(case), _policy(case))
+    headers: dict = {}
+    want = saved(build_unsharded(case), _policy(case), headers)
+
+    def vet(plan: RefitPlan) -> str | None:  # the plan must fit the engine's checkpoint
+        return "; ".join(compare_with_checkpoint(plan.specs, headers)) or None
+
+    receiver = RefitReceiver.setup(group, check=vet)
     out = {}
     for version, factor in ((1, 1), (2, 2)):
         stats, got = receive_all(receiver)
