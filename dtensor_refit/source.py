@@ -48,8 +48,14 @@ def _lookup(model: torch.nn.Module, key: str) -> torch.Tensor:
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a collective for a DTensor (every rank of its mesh must call it)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
     with torch.no_grad():
-        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        if not isinstance(tensor, DTensor):
+            return tensor.detach()
+        full = tensor.full_tensor()
+        # finish the gather here, so a rank that drops the result frees finished memory
+        return full.wait() if isinstance(full, AsyncCollectiveTensor) else full
 
 
 class DTensorWeightSource:
