@@ -32,17 +32,20 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, que
 
 
 def run_ranks(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, allow_dead: bool = False
+    fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, allow_dead: bool = False,
+    port: int | None = None, group_world: int | None = None,
 ) -> dict[int, tuple[str, Any]]:
-    """Run fn(rank, world_size, port, *args) on `world_size` processes.
+    """Run fn(rank, group_world or world_size, port, *args) on `world_size` processes.
+
+    `group_world` > world_size leaves the last ranks of the group to others (e.g. engines).
 
     Returns {rank: ("ok", result) | ("error", (type, message, traceback)) | ("dead", exitcode)}.
     A process still running after `timeout` is killed and the test fails (a hang is a bug).
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, queue))
+    port = port or free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, group_world or world_size, port, args, queue))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -1,0 +1,142 @@
+"""End-to-end refit rounds: FSDP2 / TP trainer ranks (spawned) -> vLLM engines (own processes).
+
+The trainers build a tiny transformers model from a config, randomise every tensor, shard it
+(tests/dtensor/shard.py), take two real optimizer steps on random tokens and refit after each
+step. After every step rank 0 also writes an independent reference checkpoint: DCP's full
+state dict loaded into an unsharded model and written by transformers' `save_pretrained`.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common.engine import EngineError
+from tests.dtensor.shard import Case, bias_names, build_unsharded, shard_model
+from tests.multiproc import free_port, run_ranks
+
+BUCKET_BYTES = 16 << 10  # smaller than one layer: layers straddle buckets
+
+
+def write_engine_checkpoint(model: torch.nn.Module, path: str | Path) -> None:
+    """`model` as vLLM's checkpoint, by save_pretrained: bf16, router bias kept fp32."""
+    bias = {n: model.get_buffer(n).float().clone() for n in bias_names(model)}
+    model.to(torch.bfloat16)
+    for name, value in bias.items():
+        mod, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(mod), attr, value)
+    model.save_pretrained(str(path))
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    from tests.dtensor.models import VOCAB
+
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=g)
+    model.train()
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+class _Drifted:
+    """A weight source whose rank-0 tensor `name` comes out fp32 where the plan says bf16."""
+
+    def __init__(self, inner, name: str) -> None:
+        self.inner, self.name = inner, name
+
+    def plan_specs(self):
+        return self.inner.plan_specs()
+
+    def iter_tensors(self, plan):
+        for name, tensor in self.inner.iter_tensors(plan):
+            yield name, (tensor.float() if name == self.name and tensor is not None else tensor)
+
+
+def trainer_job(rank: int, world: int, port: int, case: Case, steps: list[int], mode: str,
+                out_dir: str, dist_port: int) -> list:
+    """One training rank; returns [(status, detail)] per refit (or the setup failure)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from common.broadcast import RefitSender
+    from common.config import RefitConfig
+    from common.group import RefitGroup
+    from common.plan import RefitPlan, TensorSpec
+    from dtensor_refit import DTensorWeightSource, DtypePolicy
+    from tests.dtensor.models import make_model
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
+                            world_size=case.trainers)
+    try:
+        model = build_unsharded(case)
+        shard_model(model, case)
+        source = DTensorWeightSource(model, DtypePolicy(torch.bfloat16))
+        specs = source.plan_specs()
+        if mode == "wrong_shape":
+            specs[3] = TensorSpec(specs[3].name, (7, 7), specs[3].dtype)
+        group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
+                           num_trainers=case.trainers, timeout_s=120, device="cpu")
+        try:
+            sender = RefitSender.setup(group, RefitPlan.build(specs, RefitConfig(
+                bucket_bytes=BUCKET_BYTES, timeout_s=120)))
+        except Exception as e:  # noqa: BLE001 - compared by the test
+            return [(type(e).__name__, str(e))]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        out = []
+        for step in steps:
+            _train_step(model, opt, step)
+            drift = mode == "drift" and step == steps[0]
+            try:
+                sender.refit(_Drifted(source, "model.norm.weight") if drift else source, step)
+                out.append(("ok", step))
+            except Exception as e:  # noqa: BLE001 - compared by the test
+                out.append((type(e).__name__, str(e)))
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+            if rank == 0:
+                reference = make_model(case.arch, case.tie)
+                reference.load_state_dict(full)
+                write_engine_checkpoint(reference, Path(out_dir) / f"v{step}")
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def refit_round(engines, case: Case, mode: str, steps: list[int], out_dir: str | Path):
+    """Engines join as ranks T..; trainers train and refit. Returns (trainers, engine answers)."""
+    port = free_port()
+    world = case.trainers + len(engines)
+    joins = [e.submit("join", "127.0.0.1", port, case.trainers + i, world, case.trainers, 120.0)
+             for i, e in enumerate(engines)]
+    answers: list[list] = [[] for _ in engines]
+
+    def drive(i: int) -> None:
+        try:
+            answers[i].append(("join", joins[i].result(300)))
+        except EngineError as e:
+            answers[i].append(("join-error", str(e)))
+            return
+        for _ in steps:
+            try:
+                answers[i].append(("refit", engines[i].call("refit", timeout_s=300)))
+            except EngineError as e:
+                answers[i].append(("refit-error", str(e)))
+
+    threads = [threading.Thread(target=drive, args=(i,)) for i in range(len(engines))]
+    for t in threads:
+        t.start()
+    results = run_ranks(trainer_job, case.trainers, case, steps, mode, str(out_dir), free_port(),
+                        timeout=600, port=port, group_world=world)
+    for t in threads:
+        t.join(timeout=300)
+    return {r: v for r, (s, v) in results.items() if s == "ok"} | {
+        r: ("crashed", v) for r, (s, v) in results.items() if s != "ok"}, answers
+
+
+def initial_checkpoint(case: Case, path: str | Path) -> str:
+    """The engines' starting checkpoint: the trainers' randomised model before any step."""
+    write_engine_checkpoint(build_unsharded(case), path)
+    return str(path)

@@ -1,0 +1,53 @@
+"""Shared pieces of the vLLM end-to-end tests: tiny HF models, random refits, expected params."""
+
+from __future__ import annotations
+
+import torch
+
+from common.engine import EngineConfig
+
+LLM_KWARGS = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 64, "max_num_seqs": 4}
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 20, 30, 40]]
+
+
+def engine_config(model_dir: str) -> EngineConfig:
+    return EngineConfig(model=model_dir, llm_kwargs=LLM_KWARGS)
+
+
+def expected_params(checkpoint_dir) -> dict[str, torch.Tensor]:
+    """A reference checkpoint (written by save_pretrained) in vLLM's own layout."""
+    from safetensors.torch import load_file
+
+    return vllm_layout(load_file(f"{checkpoint_dir}/model.safetensors"))
+
+
+def vllm_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The HF state dict in vLLM's own stacked layout (qkv_proj, gate_up_proj)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if ".q_proj." in name:
+            k, v = state[name.replace(".q_proj.", ".k_proj.")], state[name.replace(".q_proj.",
+                                                                                   ".v_proj.")]
+            out[name.replace(".q_proj.", ".qkv_proj.")] = torch.cat([t, k, v])
+        elif ".gate_proj." in name and ".experts." not in name:
+            up = state[name.replace(".gate_proj.", ".up_proj.")]
+            out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat([t, up])
+        elif not any(p in name for p in (".k_proj.", ".v_proj.", ".up_proj.")):
+            out[name] = t
+    return out
+
+
+def compare_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> int:
+    """Assert every readable vLLM param equals the expected value bit for bit; return the count.
+
+    vLLM's CPU kernels prepack some weights and empty their params (which ones depends on the
+    CPU's ISA), so `got` holds only the readable ones; each of them must have an expectation.
+    """
+    assert set(got) <= set(want), f"unexpected vLLM params {sorted(set(got) - set(want))}"
+    compared = 0
+    for name, tensor in got.items():
+        expected = want[name]
+        assert tensor.dtype == expected.dtype, f"{name}: {tensor.dtype} vs {expected.dtype}"
+        assert torch.equal(tensor, expected), f"{name} differs"
+        compared += 1
+    return compared
