@@ -105,13 +105,24 @@ class RefitWorkerExtension:
         finally:
             finalize_layerwise_reload(model, self.model_config)
             self._refit_redo_post_load(model)
-        expected = {n for n, _ in model.named_parameters()}
-        if missing := sorted(expected - loaded):
+        if missing := sorted(self._refit_loadable(model) - loaded):
             raise RuntimeError(f"refit v{stats.version} loaded no value for {len(missing)} "
                                f"param(s), e.g. {missing[0]!r}")
         return {"version": stats.version, "nbytes": stats.nbytes, "buckets": stats.num_buckets,
                 "seconds": time.perf_counter() - t0, "wait_s": stats.wait_s,
                 "load_s": stats.load_s}
+
+    @staticmethod
+    def _refit_loadable(model: torch.nn.Module) -> set[str]:
+        """Params a load must fill: the checkpoint-format params vLLM recorded at startup for
+        reloading (params derived after loading, e.g. MLA's W_UK_T, are not among them)."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        names = set()
+        for prefix, layer in model.named_modules():
+            recorded, _ = get_layerwise_info(layer).restore_metadata
+            names.update(f"{prefix}.{n}" if prefix else n for n in recorded)
+        return names & {n for n, _ in model.named_parameters()}
 
     def _refit_load(self, items: list[tuple[str, torch.Tensor]]) -> set[str]:
         """One batched load; then copy out any view vLLM still holds (a layer split across
