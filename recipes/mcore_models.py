@@ -1,0 +1,185 @@
+"""Tiny Megatron GPT models that vLLM's CPU kernels can serve: build, train, run; HF configs.
+
+Dense: Qwen3-like (q/k norms, GQA, gated SiLU MLP). MoE: Qwen3-MoE (every layer MoE, top-2 of 4
+experts, softmax router). head_dim 32 (vLLM CPU attention needs >= 32). Megatron holds a padded
+vocabulary (PADDED_VOCAB rows); the refit sends the true VOCAB rows only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+VOCAB, PADDED_VOCAB, MAX_POS = 192, 256, 128
+HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN, LAYERS = 128, 4, 2, 32, 256, 4
+EXPERTS, TOPK, MOE_FFN = 4, 2, 64
+SEQ, MICRO, MICROBATCHES, LR = 32, 2, 2, 3e-3
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 2
+    pp: int = 2
+    ep: int = 1
+    moe: bool = False
+
+    @property
+    def model_type(self) -> str:
+        return "qwen3_moe" if self.moe else "qwen3"
+
+    @property
+    def label(self) -> str:
+        return f"{self.model_type} TP{self.tp}xPP{self.pp}" + (f"xEP{self.ep}" if self.moe else "")
+
+
+DENSE = Layout(tp=2, pp=2)
+MOE = Layout(tp=1, pp=2, ep=2, moe=True)  # MoE+TP training needs sequence parallel (TE only)
+
+
+def setup_parallel(layout: Layout, seed: int = 1234) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
+                                 pipeline_model_parallel_size=layout.pp,
+                                 expert_model_parallel_size=layout.ep)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def megatron_config(layout: Layout) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw: dict[str, Any] = {}
+    if layout.moe:
+        kw = dict(num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN,
+                  moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
+                  expert_model_parallel_size=layout.ep)
+    return TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        num_query_groups=GROUPS, kv_channels=HEAD_DIM, ffn_hidden_size=FFN,
+        use_cpu_initialization=True, normalization="RMSNorm", layernorm_epsilon=1e-6,
+        gated_linear_unit=True, add_bias_linear=False, activation_func=torch.nn.functional.silu,
+        qk_layernorm=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        hidden_dropout=0.0, attention_dropout=0.0, **kw)
+
+
+def build_model(layout: Layout) -> list[torch.nn.Module]:
+    """This rank's model chunk (no virtual pipeline), fp32 master weights on CPU."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS if layout.moe else None,
+                                    qk_layernorm=True, normalization="RMSNorm")
+    return [GPTModel(megatron_config(layout), spec, vocab_size=PADDED_VOCAB,
+                     max_sequence_length=MAX_POS, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage(), parallel_output=True,
+                     share_embeddings_and_output_weights=False,
+                     position_embedding_type="rope", rotary_base=10000)]
+
+
+def hf_config(layout: Layout) -> Any:
+    import transformers
+
+    kw: dict[str, Any] = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POS, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if layout.moe:
+        kw.update(num_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=MOE_FFN,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    return transformers.AutoConfig.for_model(layout.model_type, **kw)
+
+
+def wrap_for_training(chunks: list[torch.nn.Module]) -> tuple[list[torch.nn.Module], object]:
+    """Megatron DDP around each chunk (grad buffers; DP / expert-DP all-reduce in
+    finalize_model_grads, which also sums q/k-norm grads over TP) and torch AdamW."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    model = [DistributedDataParallel(c.config, DistributedDataParallelConfig(), c) for c in chunks]
+    params = [p for c in model for p in c.parameters()]
+    return model, torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+
+
+def _pipeline_forward(model: list[torch.nn.Module], tokens: torch.Tensor, labels=None):
+    """Forward of this stage for [b, s] tokens; hidden states arrive from the previous stage
+    by recv and leave by send. Returns (this stage's input, its output)."""
+    from megatron.core import parallel_state as ps
+
+    from mcore_refit.names import unwrap
+
+    b, s = tokens.shape
+    x = None
+    if not ps.is_pipeline_first_stage():
+        x = torch.empty(s, b, HIDDEN)
+        dist.recv(x, ps.get_pipeline_model_parallel_prev_rank())
+        unwrap(model[0]).set_input_tensor(x.requires_grad_(torch.is_grad_enabled()))
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+    out = model[0](tokens, torch.arange(s)[None], mask, labels=labels)
+    if not ps.is_pipeline_last_stage():
+        dist.send(out.detach(), ps.get_pipeline_model_parallel_next_rank())
+    return x, out
+
+
+def train_step(model: list[torch.nn.Module], opt: torch.optim.Optimizer, step: int) -> float:
+    """One optimizer step: all forwards then all backwards over the pipeline (hidden states and
+    their grads hop stages by send/recv; Megatron's own schedule allocates on "cuda"), then
+    Megatron's finalize_model_grads. Returns the mean loss on the last stage (else nan)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    g = torch.Generator().manual_seed(1000 * step + ps.get_data_parallel_rank())
+    batches = torch.randint(0, VOCAB, (MICROBATCHES, MICRO, SEQ + 1), generator=g)
+    model[0].train()
+    model[0].zero_grad_buffer()
+    passes = [_pipeline_forward(model, t[:, :-1], t[:, 1:] if last else None) for t in batches]
+    losses = []
+    for x, out in passes:
+        if last:
+            loss = out.mean() / MICROBATCHES
+            loss.backward()
+            losses.append(loss.item())
+        else:
+            grad = torch.empty_like(out)
+            dist.recv(grad, ps.get_pipeline_model_parallel_next_rank())
+            out.backward(grad)
+        if not first:
+            dist.send(x.grad, ps.get_pipeline_model_parallel_prev_rank())
+    finalize_model_grads(model)
+    for p in model[0].parameters():
+        p.grad = p.main_grad
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return sum(losses) if last else float("nan")
+
+
+def megatron_logprobs(model: list[torch.nn.Module], seqs: list[list[int]],
+                      starts: list[int]) -> list[list[float]] | None:
+    """Megatron's own eval forward (weights rounded to bf16 for it, as the engine holds them):
+    logprob of seq[i] given seq[:i] for i >= start, per sequence. Result on the last stage."""
+    from megatron.core import parallel_state as ps
+
+    params = [p for c in model for p in c.parameters()]
+    saved = [p.detach().clone() for p in params]
+    out: list[list[float]] = []
+    model[0].eval()
+    with torch.no_grad():
+        for p in params:
+            p.copy_(p.bfloat16().float())
+        for seq, start in zip(seqs, starts, strict=True):
+            _, logits = _pipeline_forward(model, torch.tensor([seq]))
+            if ps.is_pipeline_last_stage():
+                group = ps.get_tensor_model_parallel_group()  # logits are vocab-parallel
+                parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, logits.contiguous(), group=group)
+                lp = torch.cat(parts, -1)[0, :, :VOCAB].float().log_softmax(-1)
+                out.append([lp[i - 1, seq[i]].item() for i in range(start, len(seq))])
+        for p, value in zip(params, saved, strict=True):
+            p.copy_(value)
+    return out if ps.is_pipeline_last_stage() else None
