@@ -39,7 +39,7 @@ def build(moe: bool) -> torch.nn.Module:
     spec = get_gpt_layer_local_spec(num_experts=64 if moe else None, qk_layernorm=True,
                                     normalization="RMSNorm")
     return GPTModel(TransformerConfig(**kw), spec, vocab_size=VOCAB,
-                    max_sequence_length=512).cuda()
+                    max_sequence_length=512, position_embedding_type="rope").cuda()
 
 
 def timed(fn, reps: int = 5) -> float:
