@@ -11,7 +11,7 @@ setup:
 	@bash scripts/setup_venv.sh
 
 demo: setup
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 recipes/broadcast_demo.py
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 recipes/megatron_refit.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         if args.result:
             Path(args.result).write_text(json.dumps(result))
         engine.close()
+        shutil.rmtree(workdir, ignore_errors=True)
     group.destroy()
     dist.barrier()
     dist.destroy_process_group()
