@@ -76,7 +76,7 @@ def _tp_plan(model: torch.nn.Module, tied: bool) -> dict:
                 plan[f"model.layers.{i}.{suffix}"] = style()
     if not tied:
         plan["model.embed_tokens"] = row(input_layouts=Replicate())
-        plan["lm_head"] = col()
+        plan["lm_head"] = col(output_layouts=Replicate())  # full logits for the loss
     return plan
 
 

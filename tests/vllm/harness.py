@@ -128,7 +128,10 @@ def refit_round(engines, case: Case, mode: str, steps: list[int], out_dir: str |
     threads = [threading.Thread(target=drive, args=(i,)) for i in range(len(engines))]
     for t in threads:
         t.start()
-    results = run_ranks(trainer_job, case.trainers, case, steps, mode, str(out_dir), free_port(),
+    dist_port = free_port()
+    while dist_port == port:  # free_port may hand out the same unbound port twice
+        dist_port = free_port()
+    results = run_ranks(trainer_job, case.trainers, case, steps, mode, str(out_dir), dist_port,
                         timeout=600, port=port, group_world=world)
     for t in threads:
         t.join(timeout=300)

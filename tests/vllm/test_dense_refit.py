@@ -73,3 +73,16 @@ def test_failed_refit_holds_generation_until_a_complete_refit_lands(engines, tmp
         assert engine.call("status") == {"version": 5, "complete": True}
         assert compare_params(engine.call("read"), want) >= 10
         assert len(engine.call("generate", PROMPTS, 8)["tokens"]) == len(PROMPTS)
+
+
+def test_fsdp_x_tp_trainers_refit_both_engines_like_a_fresh_engine(engines, tmp_path):
+    case = Case("qwen3", dp=2, tp=2, model_dtype=torch.float32)  # 4 trainer ranks, 2 x 2 mesh
+    results, answers = refit_round(engines, case, "ok", [6], tmp_path)
+    assert all(v == [("ok", 6)] for v in results.values()), results
+    want = expected_params(tmp_path / "v6")
+    with EngineProcess(engine_config(str(tmp_path / "v6"))) as fresh:
+        ref = fresh.call("generate", PROMPTS, 8)
+    for engine in engines:
+        assert compare_params(engine.call("read"), want) >= 10
+        got = engine.call("generate", PROMPTS, 8)
+        assert got["tokens"] == ref["tokens"] and got["logprobs"] == ref["logprobs"]
