@@ -110,3 +110,52 @@ class EngineProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class EngineFleet:
+    """The engines of one refit group, driven from training rank 0 (they are ranks T..T+I-1).
+
+        fleet = EngineFleet([EngineProcess(EngineConfig(model=ckpt)) for _ in range(2)])
+        joining = fleet.join_async(host, port, num_trainers=T)   # then, on every trainer:
+        sender = RefitSender.setup(group, plan)                   # ... the handshake
+        joining.result()
+        refitting = fleet.refit_async(); sender.refit(source, step); refitting.result()
+    """
+
+    def __init__(self, engines: list[EngineProcess]) -> None:
+        self.engines = engines
+
+    def join_async(self, host: str, port: int, num_trainers: int, timeout_s: float = 300.0,
+                   name: str = "refit") -> Pendings:
+        world = num_trainers + len(self.engines)
+        return Pendings([e.submit("join", host, port, num_trainers + i, world, num_trainers,
+                                  timeout_s, name) for i, e in enumerate(self.engines)])
+
+    def refit_async(self) -> Pendings:
+        return Pendings([e.submit("refit") for e in self.engines])
+
+    def call(self, command: str, *args: Any) -> list[Any]:
+        return Pendings([e.submit(command, *args) for e in self.engines]).result()
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+
+
+class Pendings:
+    """Commands in flight on several engines; `result()` waits for all, then raises the first
+    failure (every engine is waited for, so none is left busy)."""
+
+    def __init__(self, pending: list[Pending]) -> None:
+        self.pending = pending
+
+    def result(self, timeout_s: float = 600.0) -> list[Any]:
+        out, errors = [], []
+        for p in self.pending:
+            try:
+                out.append(p.result(timeout_s))
+            except EngineError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return out

@@ -23,7 +23,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from common.broadcast import RefitSender
 from common.config import RefitConfig
-from common.engine import EngineConfig, EngineProcess
+from common.engine import EngineConfig, EngineFleet, EngineProcess
 from common.group import RefitGroup
 from common.plan import RefitPlan
 from dtensor_refit import DTensorWeightSource, DtypePolicy
@@ -55,16 +55,16 @@ def main() -> None:
         start.load_state_dict(model.state_dict())
         start.save_pretrained(ckpt)
         t0 = time.perf_counter()
-        engine = EngineProcess(EngineConfig(model=ckpt, llm_kwargs=LLM_KWARGS))
+        engine = EngineFleet([EngineProcess(EngineConfig(model=ckpt, llm_kwargs=LLM_KWARGS))])
         print(f"[recipe] engine up in {time.perf_counter() - t0:.1f}s; before training: "
-              f"{engine.call('generate', PROMPTS, 8)['tokens']}", flush=True)
+              f"{engine.call('generate', PROMPTS, 8)[0]['tokens']}", flush=True)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     source = DTensorWeightSource(model, DtypePolicy(torch.bfloat16))
     plan = RefitPlan.build(source.plan_specs(), RefitConfig.from_env(bucket_bytes=4 << 20))
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
-    join = engine.submit("join", host, port, world, world + 1, world, 120.0) if engine else None
+    join = engine.join_async(host, port, num_trainers=world) if engine else None
     group = RefitGroup(host=host, port=port, rank=rank, world_size=world + 1,
                        num_trainers=world, timeout_s=120, device="cpu")
     sender = RefitSender.setup(group, plan)
@@ -78,12 +78,12 @@ def main() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        pending = engine.submit("refit") if engine else None
+        pending = engine.refit_async() if engine else None
         stats = sender.refit(source, version=step)
         if engine is None:
             continue
-        loaded = pending.result()
-        out = engine.call("generate", PROMPTS, 8)
+        (loaded,) = pending.result()
+        (out,) = engine.call("generate", PROMPTS, 8)
         print(f"[recipe] step {step} loss {loss.item():.3f} | trainer {stats.summary()} | engine "
               f"load {loaded['load_s'] * 1e3:.1f} ms of {loaded['seconds'] * 1e3:.1f} ms "
               f"({loaded['nbytes'] / loaded['seconds'] / 1e9:.2f} GB/s) | v{out['version']} "
