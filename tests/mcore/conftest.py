@@ -9,13 +9,19 @@ import pytest
 
 from tests.mcore.pool import RankPool
 
-# megatron-core 0.19 wraps its MoE routing in torch.compile, which fails under the CPU shim's
-# stand-ins (seen on the H200 machine); the spawned ranks inherit this.
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-
 
 @pytest.fixture(scope="session")
 def pool() -> Iterator[RankPool]:
-    p = RankPool(4)
+    # megatron-core 0.19 wraps its MoE routing in torch.compile, which fails under the CPU
+    # shim's stand-ins (seen on the H200 machine): the spawned ranks start without dynamo.
+    old = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        p = RankPool(4)
+    finally:
+        if old is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = old
     yield p
     p.close()
