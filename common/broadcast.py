@@ -3,8 +3,9 @@
 Protocol (identical collective sequence on every rank, whatever fails, so nothing can hang):
   setup:   rank 0 broadcasts the plan; every rank checks it against its own (digest) and all
            ranks learn of any mismatch through one all-gather.
-  refit:   per bucket one broadcast of [header | payload] from the bucket's source rank (an
-           oversize tensor: a header broadcast, then its bytes straight from / into the tensor);
+  refit:   per bucket one broadcast of [header | payload] from the bucket's source rank (a
+           direct bucket, one large tensor: a header broadcast, then its bytes straight from the
+           tensor into the receive buffer, or into a tensor of its own when oversize);
            then one all-gather of every rank's status, so every rank learns whether the refit
            landed everywhere.
 The sender packs bucket k+1 while bucket k is on the wire (gloo works on its own thread; NCCL
@@ -122,6 +123,13 @@ class _Endpoint:
         return Header(bucket.index, len(self.plan.buckets), version, self.plan.digest,
                       STATUS_ABORT, f"{type(error).__name__}: {error}")
 
+    def direct_target(self, bucket: Bucket) -> torch.Tensor:
+        """Where a direct bucket's bytes land: the payload region of its buffer, or a fresh
+        tensor when it is larger than a buffer (oversize)."""
+        if bucket.oversize:
+            return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.group.device)
+        return self.bucket_buffer(bucket)[self.payload_start :]
+
     def bucket_buffer(self, bucket: Bucket) -> torch.Tensor:
         return self.buffers[bucket.index % self.num_buffers][: self.payload_start + bucket.nbytes]
 
@@ -225,20 +233,20 @@ class RefitSender(_Endpoint):
             payload = None
             if is_src and error is None:
                 try:  # a failing pack (device, memory) becomes an ABORT like any other error
-                    if bucket.oversize:
+                    if bucket.direct:
                         payload = byte_view(tensors[0].contiguous())
                     else:
                         self.layouts[bucket.index].pack(tensors)
                 except Exception as e:  # noqa: BLE001 - reported to every rank
                     error = RefitError(f"{group.who}: packing {what} failed: {e}")
-            # The header leads the bucket's own buffer, or has a buffer of its own (oversize).
-            wire = self.headers[slot] if bucket.oversize else self.bucket_buffer(bucket)
+            # The header leads the bucket's own buffer, or has a buffer of its own (direct).
+            wire = self.headers[slot] if bucket.direct else self.bucket_buffer(bucket)
             if is_src:
                 wire[:HEADER_BYTES].copy_(self.header(bucket, version, error).encode())
             src = bucket.source_rank
-            if bucket.oversize:
+            if bucket.direct:
                 if payload is None:  # not the source, or aborting: bytes to receive / discard
-                    payload = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
+                    payload = self.direct_target(bucket)
                 pending[slot] = [(group.broadcast(wire, src), what + " header"),
                                  (group.broadcast(payload, src), what)]
                 held[slot] = payload  # alive until its broadcast is waited
@@ -278,12 +286,11 @@ class RefitReceiver(_Endpoint):
     def _post(self, bucket: Bucket) -> tuple[list, torch.Tensor | None]:
         what = f"refit bucket {bucket.index}/{len(self.plan.buckets)}"
         src = bucket.source_rank
-        if bucket.oversize:
-            spec = self.plan.specs[bucket.start]
-            target = torch.empty(spec.shape, dtype=spec.dtype, device=self.group.device)
+        if bucket.direct:
             hbuf = self.headers[bucket.index % self.num_buffers]
+            target = self.direct_target(bucket)
             return [(self.group.broadcast(hbuf, src), what + " header"),
-                    (self.group.broadcast(byte_view(target), src), what)], target
+                    (self.group.broadcast(target, src), what)], target
         return [(self.group.broadcast(self.bucket_buffer(bucket), src), what)], None
 
     def receive(self, on_bucket: BucketCallback) -> RefitStats:
@@ -309,7 +316,7 @@ class RefitReceiver(_Endpoint):
                 next_post += 1
             works, target = posted.pop(bucket.index)
             self.wait_all(works, stats)
-            raw = self.headers[bucket.index % self.num_buffers] if bucket.oversize \
+            raw = self.headers[bucket.index % self.num_buffers] if bucket.direct \
                 else self.bucket_buffer(bucket)
             header = Header.decode(raw)
             if expected is None:
@@ -324,8 +331,9 @@ class RefitReceiver(_Endpoint):
                                               f"v{header.version}: {header.message}")
             if error is not None:
                 continue
-            if target is not None:
-                tensors = [(plan.specs[bucket.start].name, target)]
+            if bucket.oversize:  # its own fresh tensor: typed view of the received bytes
+                spec = plan.specs[bucket.start]
+                tensors = [(spec.name, target.view(spec.dtype).view(spec.shape))]
             else:
                 tensors = self.layouts[bucket.index].unpack()
             t1 = time.perf_counter()

@@ -11,6 +11,7 @@ _ENV = {
     "num_buffers": ("REFIT_NUM_BUFFERS", int),
     "timeout_s": ("REFIT_TIMEOUT_S", float),
     "alignment": ("REFIT_ALIGNMENT", int),
+    "direct_bytes": ("REFIT_DIRECT_BYTES", int),
 }
 
 
@@ -28,23 +29,29 @@ class RefitConfig:
     timeout_s: every collective of the refit group (and its setup) gives up after this long.
     alignment: byte alignment of each tensor inside a bucket (power of two); 256 keeps every
         unpacked view aligned for any dtype and for vectorised GPU copies.
+    direct_bytes: a tensor at least this large gets a bucket of its own and is sent straight
+        from its own memory (no pack copy) into the receiver's buffer (zero-copy view); such a
+        bucket costs a second, tiny collective for its header. Above bucket_bytes: never.
     """
 
     bucket_bytes: int = 256 << 20
     num_buffers: int = 2
     timeout_s: float = 300.0
     alignment: int = 256
+    direct_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> RefitConfigError:
             return RefitConfigError(f"RefitConfig.{field}={getattr(self, field)!r}: {why}")
 
-        for field in ("bucket_bytes", "num_buffers", "alignment"):
+        for field in ("bucket_bytes", "num_buffers", "alignment", "direct_bytes"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(field, "must be an int")
         if self.bucket_bytes < 1024:
             raise bad("bucket_bytes", "must be at least 1024 bytes")
+        if self.direct_bytes < 1024:
+            raise bad("direct_bytes", "must be at least 1024 bytes")
         if self.num_buffers < 1:
             raise bad("num_buffers", "must be >= 1")
         if self.num_buffers > 16:

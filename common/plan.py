@@ -18,7 +18,7 @@ import torch
 
 from common.config import RefitConfig
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -82,7 +82,11 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Bucket:
-    """Consecutive specs [start, stop) of one source rank, packed at `offsets` (payload bytes)."""
+    """Consecutive specs [start, stop) of one source rank, packed at `offsets` (payload bytes).
+
+    `direct`: one tensor sent straight from its own memory (no pack), header apart;
+    `oversize`: a direct tensor larger than a bucket buffer, received into its own tensor.
+    """
 
     index: int
     source_rank: int
@@ -91,6 +95,7 @@ class Bucket:
     offsets: tuple[int, ...]
     nbytes: int
     oversize: bool
+    direct: bool
 
     @property
     def spec_indices(self) -> range:
@@ -100,8 +105,8 @@ class Bucket:
 def cut_buckets(specs: Sequence[TensorSpec], config: RefitConfig) -> list[Bucket]:
     """Cut specs in order into buckets of at most config.bucket_bytes, never mixing sources.
 
-    A tensor larger than a bucket gets a bucket of its own (marked oversize); it is sent
-    straight from (and received straight into) its own tensor, never through a bucket buffer.
+    A tensor of at least config.direct_bytes gets a bucket of its own (direct: no pack copy);
+    one larger than a bucket is also received straight into its own tensor (oversize).
     """
     buckets: list[Bucket] = []
     start, offsets, end = 0, [], 0
@@ -109,15 +114,16 @@ def cut_buckets(specs: Sequence[TensorSpec], config: RefitConfig) -> list[Bucket
     def close(stop: int) -> None:
         nonlocal start, offsets, end
         if stop > start:
-            oversize = stop - start == 1 and specs[start].nbytes > config.bucket_bytes
+            single = specs[start].nbytes if stop - start == 1 else 0
             buckets.append(Bucket(len(buckets), specs[start].source_rank, start, stop,
-                                  tuple(offsets), end, oversize))
+                                  tuple(offsets), end, single > config.bucket_bytes,
+                                  single >= min(config.direct_bytes, config.bucket_bytes + 1)))
         start, offsets, end = stop, [], 0
 
     for i, spec in enumerate(specs):
         if i > start and spec.source_rank != specs[start].source_rank:
             close(i)
-        if spec.nbytes > config.bucket_bytes:
+        if spec.nbytes >= min(config.direct_bytes, config.bucket_bytes + 1):
             close(i)
             offsets, end = [0], spec.nbytes
             close(i + 1)
@@ -180,6 +186,7 @@ class RefitPlan:
             "bucket_bytes": c.bucket_bytes,
             "num_buffers": c.num_buffers,
             "alignment": c.alignment,
+            "direct_bytes": c.direct_bytes,
             "specs": [s.to_json() for s in self.specs],
         }
 
@@ -196,6 +203,7 @@ class RefitPlan:
             num_buffers=data["num_buffers"],
             timeout_s=data["timeout_s"],
             alignment=data["alignment"],
+            direct_bytes=data["direct_bytes"],
         )
         plan = cls(tuple(TensorSpec.from_json(s) for s in data["specs"]), config)
         if "digest" in data and data["digest"] != plan.digest:
@@ -214,7 +222,7 @@ class RefitPlan:
         """The first difference between two plans in words, or None when the digests agree."""
         if self.digest == other.digest:
             return None
-        for key in ("bucket_bytes", "num_buffers", "alignment"):
+        for key in ("bucket_bytes", "num_buffers", "alignment", "direct_bytes"):
             a, b = getattr(self.config, key), getattr(other.config, key)
             if a != b:
                 return f"{key} differs: {a} vs {b}"

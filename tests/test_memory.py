@@ -42,8 +42,9 @@ def model(version: int) -> dict[str, torch.Tensor]:
     return t
 
 
-def memory_rank(rank: int, world: int, port: int, buffers: int) -> int:
-    config = RefitConfig(bucket_bytes=BUCKET, num_buffers=buffers, timeout_s=60)
+def memory_rank(rank: int, world: int, port: int, buffers: int, direct: int) -> int:
+    config = RefitConfig(bucket_bytes=BUCKET, num_buffers=buffers, timeout_s=60,
+                         direct_bytes=direct)
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
                        device="cpu", num_trainers=2, timeout_s=60)
     versions = [model(v) for v in range(3)]  # made before the measured window
@@ -72,13 +73,14 @@ def memory_rank(rank: int, world: int, port: int, buffers: int) -> int:
     return peak_rss() - base
 
 
+@pytest.mark.parametrize("direct", [BUCKET, MIB], ids=["packed", "direct"])
 @pytest.mark.parametrize("buffers", [1, 2, 3])
-def test_extra_memory_is_bounded_on_every_rank(buffers: int, monkeypatch) -> None:
+def test_extra_memory_is_bounded_on_every_rank(buffers: int, direct: int, monkeypatch) -> None:
     # A fixed mmap threshold makes glibc return freed tensors to the OS, so the peak measures
     # what the refit holds, not glibc's heap fragmentation (its dynamic threshold otherwise
     # keeps freed 1 MiB chunks in the heap).
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
-    extra = expect_ok(run_ranks(memory_rank, 3, buffers))
+    extra = expect_ok(run_ranks(memory_rank, 3, buffers, direct))
     bound = (buffers + 1) * BUCKET + OVERSIZE + SLACK
     for rank, used in extra.items():
         assert used <= bound, f"rank {rank}: {used / MIB:.1f} MiB > {bound / MIB:.1f} MiB"

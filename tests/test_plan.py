@@ -37,19 +37,25 @@ spec_lists = st.lists(
 
 
 @settings(max_examples=200, deadline=None)
-@given(spec_lists, st.sampled_from([1024, 2048, 5000]), st.sampled_from([1, 8, 256]))
-def test_buckets_are_bounded_aligned_ordered_and_single_source(items, bucket_bytes, alignment):
+@given(spec_lists, st.sampled_from([1024, 2048, 5000]), st.sampled_from([1, 8, 256]),
+       st.sampled_from([1024, 3000, 1 << 20]))
+def test_buckets_are_bounded_aligned_ordered_and_single_source(items, bucket_bytes, alignment,
+                                                               direct_bytes):
     specs = [TensorSpec(f"t{i}", tuple(shape), dtype, src)
              for i, (shape, dtype, src) in enumerate(items)]
-    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=bucket_bytes, alignment=alignment))
+    config = RefitConfig(bucket_bytes=bucket_bytes, alignment=alignment, direct_bytes=direct_bytes)
+    plan = RefitPlan.build(specs, config)
+    threshold = min(direct_bytes, bucket_bytes + 1)
     covered = [i for b in plan.buckets for i in b.spec_indices]
     assert covered == list(range(len(specs)))
     for b in plan.buckets:
         bspecs = plan.bucket_specs(b)
         assert {s.source_rank for s in bspecs} == {b.source_rank}
-        if b.oversize:
-            assert len(bspecs) == 1 and bspecs[0].nbytes > bucket_bytes
+        assert b.oversize == (b.direct and bspecs[0].nbytes > bucket_bytes)
+        if b.direct:
+            assert len(bspecs) == 1 and bspecs[0].nbytes >= threshold
             continue
+        assert all(s.nbytes < threshold for s in bspecs)
         assert b.nbytes <= bucket_bytes
         end = 0
         for spec, offset in zip(bspecs, b.offsets, strict=True):
@@ -84,6 +90,8 @@ def test_digest_changes_with_any_name_shape_dtype_order_source_or_bucket_size() 
     digests = {k: RefitPlan.build(v, config).digest for k, v in variants.items()}
     digests["bucket size"] = RefitPlan.build(base, RefitConfig(bucket_bytes=8192)).digest
     digests["buffers"] = RefitPlan.build(base, RefitConfig(bucket_bytes=4096, num_buffers=3)).digest
+    digests["direct"] = RefitPlan.build(base, RefitConfig(bucket_bytes=4096,
+                                                          direct_bytes=2048)).digest
     assert digest not in digests.values() and len(set(digests.values())) == len(digests)
 
 
@@ -103,12 +111,14 @@ def test_json_round_trip_and_difference_messages() -> None:
         RefitPlan.build(sample_specs(), RefitConfig(bucket_bytes=2048)))
 
 
-def test_oversize_tensor_gets_its_own_bucket() -> None:
+def test_large_tensors_get_buckets_of_their_own() -> None:
     specs = [TensorSpec("a", (10,), torch.float32), TensorSpec("big", (3000,), torch.float32),
-             TensorSpec("b", (10,), torch.float32)]
-    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=4096))
-    assert [b.oversize for b in plan.buckets] == [False, True, False]
-    assert plan.largest_oversize_bytes == 12000 and plan.buffer_bytes == 40
+             TensorSpec("b", (10,), torch.float32), TensorSpec("mid", (600,), torch.float32),
+             TensorSpec("c", (10,), torch.float32)]
+    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=4096, direct_bytes=2048))
+    assert [b.oversize for b in plan.buckets] == [False, True, False, False, False]
+    assert [b.direct for b in plan.buckets] == [False, True, False, True, False]
+    assert plan.largest_oversize_bytes == 12000 and plan.buffer_bytes == 2400
 
 
 def test_duplicate_names_are_refused() -> None:

@@ -25,6 +25,7 @@ def make_tensors(seed: int, version: int = 0) -> dict[str, torch.Tensor]:
         "layer.0.scalar": torch.randn((), generator=g),
         "layer.0.empty": torch.empty(0, 5),
         "layer.0.t.weight": torch.randn(24, 40, generator=g).bfloat16().t(),  # non-contiguous
+        "layer.2.t.weight": torch.randn(48, 40, generator=g).bfloat16().t(),  # direct, strided
     }
     for i in range(40):
         t[f"layer.1.expert.{i}.weight"] = torch.randn(8, 24, generator=g).bfloat16()
@@ -37,7 +38,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def roundtrip_rank(rank: int, world: int, port: int, trainers: int, buffers: int) -> dict:
-    config = RefitConfig(bucket_bytes=16 << 10, num_buffers=buffers, timeout_s=60)
+    # 16 KiB buckets; tensors from 2 KiB on go direct (embed, layer.2.t), "big" is oversize.
+    config = RefitConfig(bucket_bytes=16 << 10, num_buffers=buffers, timeout_s=60,
+                         direct_bytes=2 << 10)
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
                        device="cpu", num_trainers=trainers, timeout_s=config.timeout_s)
     out = {}
@@ -47,7 +50,8 @@ def roundtrip_rank(rank: int, world: int, port: int, trainers: int, buffers: int
         for version in (1, 2):
             source.tensors = make_tensors(0, version)
             sender.refit(source, version)
-        return {"buckets": len(sender.plan.buckets)}
+        return {"buckets": len(sender.plan.buckets),
+                "direct": sum(b.direct for b in sender.plan.buckets)}
     receiver = RefitReceiver.setup(group)
     for version in (1, 2):
         stats, got = receive_all(receiver)
@@ -66,6 +70,6 @@ def roundtrip_rank(rank: int, world: int, port: int, trainers: int, buffers: int
 @pytest.mark.parametrize("trainers,receivers", [(1, 1), (2, 1), (1, 2), (2, 2), (3, 2)])
 def test_roundtrip_bitwise(trainers: int, receivers: int, buffers: int) -> None:
     res = expect_ok(run_ranks(roundtrip_rank, trainers + receivers, trainers, buffers))
-    assert res[0]["buckets"] > 3
+    assert res[0]["buckets"] > 3 and res[0]["direct"] == 3
     for r in range(trainers, trainers + receivers):
         assert res[r] == {1: len(make_tensors(0)), 2: len(make_tensors(0))}
