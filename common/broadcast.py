@@ -201,6 +201,13 @@ class RefitSender(_Endpoint):
                                           f"{bucket.index} tensor #{bucket.start + i} {why}")
         return [t for _, t in items]
 
+    def header_table(self, version: int) -> torch.Tensor:
+        """Every bucket's OK header for this refit, moved to the device in one copy (a copy per
+        bucket costs a synchronous host-to-device transfer each on CUDA)."""
+        raw = b"".join(self.header(b, version, None).encode_bytes() for b in self.plan.buckets)
+        table = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, HEADER_BYTES)
+        return table.to(self.group.device)
+
     def refit(self, source: WeightSource, version: int) -> RefitStats:
         """Send one complete set of weights, tagged `version`; returns this rank's stats."""
         plan, group = self.plan, self.group
@@ -210,6 +217,7 @@ class RefitSender(_Endpoint):
         error: BaseException | None = None
         pending: list[list] = [[] for _ in range(self.num_buffers)]
         held: list[torch.Tensor | None] = [None] * self.num_buffers
+        table = self.header_table(version)
         for bucket in plan.buckets:
             slot = bucket.index % self.num_buffers
             # An oversize bucket starts only when nothing else is in flight: at most one
@@ -241,8 +249,12 @@ class RefitSender(_Endpoint):
                     error = RefitError(f"{group.who}: packing {what} failed: {e}")
             # The header leads the bucket's own buffer, or has a buffer of its own (direct).
             wire = self.headers[slot] if bucket.direct else self.bucket_buffer(bucket)
-            if is_src:
+            if is_src and error is not None:
                 wire[:HEADER_BYTES].copy_(self.header(bucket, version, error).encode())
+            elif is_src and bucket.direct:
+                wire = table[bucket.index]
+            elif is_src:
+                wire[:HEADER_BYTES].copy_(table[bucket.index], non_blocking=True)
             src = bucket.source_rank
             if bucket.direct:
                 if payload is None:  # not the source, or aborting: bytes to receive / discard

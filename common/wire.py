@@ -28,14 +28,14 @@ class Header:
     status: int = STATUS_OK
     message: str = ""
 
-    def encode(self) -> torch.Tensor:
+    def encode_bytes(self) -> bytes:
         msg = self.message.encode()[:MAX_MESSAGE]
         fixed = _FIXED.pack(MAGIC, self.status, self.bucket, self.num_buckets, self.version,
                             len(msg), bytes.fromhex(self.digest))
-        raw = bytearray(HEADER_BYTES)
-        raw[: _FIXED.size] = fixed
-        raw[_FIXED.size : _FIXED.size + len(msg)] = msg
-        return torch.frombuffer(raw, dtype=torch.uint8)
+        return (fixed + msg).ljust(HEADER_BYTES, b"\0")
+
+    def encode(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(self.encode_bytes()), dtype=torch.uint8)
 
     @classmethod
     def decode(cls, data: torch.Tensor) -> Header:
