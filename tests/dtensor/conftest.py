@@ -11,7 +11,7 @@ from tests.dtensor.pool import RankPool
 POOL_WORLD = 5
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # gone before the next package starts
 def pool() -> Iterator[RankPool]:
     p = RankPool(POOL_WORLD)
     yield p

@@ -10,7 +10,7 @@ import pytest
 from tests.mcore.pool import RankPool
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # gone before the next package starts
 def pool() -> Iterator[RankPool]:
     # megatron-core 0.19 wraps its MoE routing in torch.compile, which fails under the CPU
     # shim's stand-ins (seen on the H200 machine): the spawned ranks start without dynamo.
