@@ -6,13 +6,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.dtensor.pool import RankPool
+from tests.dtensor.pool import DTensorPool
 
 POOL_WORLD = 5
 
 
 @pytest.fixture(scope="package")  # gone before the next package starts
-def pool() -> Iterator[RankPool]:
-    p = RankPool(POOL_WORLD)
+def pool() -> Iterator[DTensorPool]:
+    p = DTensorPool(POOL_WORLD)
     yield p
     p.close()

@@ -1,90 +1,23 @@
-"""A persistent pool of spawned processes shared by the DTensor tests (one start per session).
-
-Importing torch + transformers costs ~4 s per process on 2 cores, so the processes start once.
-Each job is a top-level function run on every pool process at the same time as
-fn(rank, world, ports, *args); the job itself builds (and destroys) the default process group
-of its training ranks and the refit group, on fresh ports, so jobs of any shape can share it.
-"""
+"""The DTensor tests' rank pool: each job builds (and destroys) its own default group and
+refit group on two fresh ports, so jobs of any shape can share the processes."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue as queue_mod
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 from tests.multiproc import free_port
+from tests.pool import RankPool
 
 
-def _worker(rank: int, world: int, jobs: Any, results: Any) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch
-
-    torch.set_num_threads(1)
+def _init(rank: int, world: int) -> None:
     import transformers  # noqa: F401 - paid once per process, not per job
 
-    while True:
-        job = jobs.get()
-        if job is None:
-            break
-        fn, ports, args = job
-        try:
-            results.put((rank, "ok", fn(rank, world, ports, *args)))
-        except BaseException as e:  # noqa: BLE001 - reported to the test
-            results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
-
-class RankPool:
+class DTensorPool(RankPool):
     def __init__(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.world = world
-        self.results = ctx.Queue()
-        self.jobs = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_worker, args=(r, world, self.jobs[r], self.results),
-                                  daemon=True) for r in range(world)]
-        for p in self.procs:
-            p.start()
-        self.broken = False
+        super().__init__(world, _init)
 
     def run(self, fn: Callable, *args: Any, timeout: float = 120.0) -> list[Any]:
         """Run fn(rank, world, (port_a, port_b), *args) everywhere; results by rank."""
-        assert not self.broken, "an earlier job hung or crashed the pool"
-        ports = (free_port(), free_port())
-        for q in self.jobs:
-            q.put((fn, ports, args))
-        out: dict[int, tuple[str, Any]] = {}
-        deadline = time.monotonic() + timeout
-        while len(out) < self.world:
-            left = deadline - time.monotonic()
-            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-            if left <= 0 or dead:
-                self.broken = True
-                self.close(kill=True)
-                errors = {r: v for r, (s, v) in out.items() if s != "ok"}
-                raise AssertionError(f"ranks hung or died (dead={dead}); errors: {errors}")
-            try:
-                rank, status, value = self.results.get(timeout=min(left, 1.0))
-            except queue_mod.Empty:
-                continue
-            out[rank] = (status, value)
-            if status != "ok":  # the other ranks may now wait in a collective forever
-                deadline = min(deadline, time.monotonic() + 15)
-        errors = {r: v for r, (s, v) in out.items() if s != "ok"}
-        if errors:
-            self.broken = True
-            self.close(kill=True)
-            raise AssertionError("\n".join(f"rank {r}: {v}" for r, v in errors.items()))
-        return [out[r][1] for r in range(self.world)]
-
-    def close(self, kill: bool = False) -> None:
-        for p, q in zip(self.procs, self.jobs, strict=True):
-            if p.is_alive() and not kill:
-                q.put(None)
-        for p in self.procs:
-            p.join(timeout=0 if kill else 10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        return super().run(fn, (free_port(), free_port()), *args, timeout=timeout)

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.mcore.pool import RankPool
+from tests.mcore.pool import megatron_pool
+from tests.pool import RankPool
 
 
 @pytest.fixture(scope="package")  # gone before the next package starts
@@ -17,7 +18,7 @@ def pool() -> Iterator[RankPool]:
     old = os.environ.get("TORCHDYNAMO_DISABLE")
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     try:
-        p = RankPool(4)
+        p = megatron_pool(4)
     finally:
         if old is None:
             del os.environ["TORCHDYNAMO_DISABLE"]

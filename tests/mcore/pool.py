@@ -1,99 +1,21 @@
-"""A persistent pool of spawned gloo ranks, shared by every Megatron layout in the session.
-
-Importing megatron-core and joining the process group costs ~10 s per process on 2 cores, so
-the pool starts once; each job is a top-level function run on every rank at the same time.
-"""
+"""The Megatron tests' rank pool: each rank installs the CPU shim and joins one gloo group."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue as queue_mod
-import socket
-import time
-import traceback
-from collections.abc import Callable
-from typing import Any
+from tests.multiproc import free_port
+from tests.pool import RankPool
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch
+def _init(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     from tests.mcore import cpu_shim
 
     cpu_shim.install()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    while True:
-        job = jobs.get()
-        if job is None:
-            break
-        fn, args = job
-        try:
-            results.put((rank, "ok", fn(rank, world, *args)))
-        except BaseException as e:  # noqa: BLE001 - reported to the test
-            results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    dist.destroy_process_group()
 
 
-class RankPool:
-    def __init__(self, world: int = 4) -> None:
-        ctx = mp.get_context("spawn")
-        self.world = world
-        self.results = ctx.Queue()
-        self.jobs = [ctx.Queue() for _ in range(world)]
-        port = _free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.jobs[r],
-                                                        self.results), daemon=True)
-                      for r in range(world)]
-        for p in self.procs:
-            p.start()
-        self.broken = False
-
-    def run(self, fn: Callable, *args: Any, timeout: float = 180.0) -> list[Any]:
-        """Run fn(rank, world, *args) on every rank; returns the results by rank."""
-        assert not self.broken, "an earlier job hung or crashed the pool"
-        for q in self.jobs:
-            q.put((fn, args))
-        out: dict[int, tuple[str, Any]] = {}
-        deadline = time.monotonic() + timeout
-        while len(out) < self.world:
-            left = deadline - time.monotonic()
-            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-            if left <= 0 or dead:
-                self.broken = True
-                self.close(kill=True)
-                errors = {r: v for r, (s, v) in out.items() if s != "ok"}
-                raise AssertionError(f"ranks hung or died (dead={dead}); errors: {errors}")
-            try:
-                rank, status, value = self.results.get(timeout=min(left, 1.0))
-            except queue_mod.Empty:
-                continue
-            out[rank] = (status, value)
-            if status != "ok":  # the other ranks may now wait in a collective forever
-                deadline = min(deadline, time.monotonic() + 10)
-        errors = {r: v for r, (s, v) in out.items() if s != "ok"}
-        if errors:
-            self.broken = True
-            self.close(kill=True)
-            raise AssertionError("\n".join(f"rank {r}: {v}" for r, v in errors.items()))
-        return [out[r][1] for r in range(self.world)]
-
-    def close(self, kill: bool = False) -> None:
-        for p, q in zip(self.procs, self.jobs, strict=True):
-            if p.is_alive() and not kill:
-                q.put(None)
-        for p in self.procs:
-            p.join(timeout=0 if kill else 10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+def megatron_pool(world: int = 4) -> RankPool:
+    """Importing megatron-core and joining the group costs ~10 s per process: done once."""
+    return RankPool(world, _init, (free_port(),))
