@@ -66,8 +66,7 @@ class EngineProcess:
             self._proc.start()
         finally:
             os.environ.update(env)
-        self._busy: str | None = None
-        self._busy = "start"
+        self._busy: str | None = "start"
         Pending(self, "start").result(config.start_timeout_s)
 
     def submit(self, command: str, *args: Any) -> Pending:
