@@ -26,7 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import PlanMismatchError, RefitAborted, RefitError, TensorMismatchError
+from common.errors import (
+    PlanMismatchError,
+    RefitAborted,
+    RefitCommError,
+    RefitError,
+    TensorMismatchError,
+)
 from common.group import RefitGroup
 from common.packing import BucketLayout, byte_view
 from common.plan import Bucket, RefitPlan, TensorSpec, align_up, dtype_name
@@ -218,12 +224,16 @@ class RefitSender(_Endpoint):
         pending: list[list] = [[] for _ in range(self.num_buffers)]
         held: list[torch.Tensor | None] = [None] * self.num_buffers
         table = self.header_table(version)
+        # A failed collective kills the refit group; this rank then stops using it but still
+        # drains the weight source, so its gathers on the training groups stay in step with
+        # the other training ranks (they reach the same state at their own next wait).
+        dead: RefitCommError | None = None
         for bucket in plan.buckets:
             slot = bucket.index % self.num_buffers
             # An oversize bucket starts only when nothing else is in flight: at most one
             # oversize tensor is alive beyond the N buffers.
             for s in range(self.num_buffers) if bucket.oversize else [slot]:
-                self.wait_all(pending[s], stats)
+                dead = dead or self._settle(pending[s], stats)
                 pending[s], held[s] = [], None
             tensors: list = []
             if it is not None:
@@ -235,6 +245,8 @@ class RefitSender(_Endpoint):
                 except Exception as e:  # noqa: BLE001 - the source is broken: stop iterating
                     error, it = error or e, None
                 stats.produce_s += time.perf_counter() - t1
+            if dead is not None:
+                continue
             is_src = group.rank == bucket.source_rank
             what = f"refit v{version} bucket {bucket.index}/{len(plan.buckets)}"
             t1 = time.perf_counter()
@@ -267,11 +279,21 @@ class RefitSender(_Endpoint):
             stats.pack_s += time.perf_counter() - t1
             del tensors
         for s in range(self.num_buffers):
-            self.wait_all(pending[s], stats)
+            dead = dead or self._settle(pending[s], stats)
+        if dead is not None:
+            raise dead  # no status exchange over a dead group
         if it is not None and error is None and next(it, None) is not None:
             error = RefitError(f"{group.who}: weight source yields more tensors than the plan's "
                                f"{len(plan.specs)}")
         return self.finish(stats, error, t0)
+
+    def _settle(self, works: list, stats: RefitStats) -> RefitCommError | None:
+        """Wait for `works`; a failure is returned (the group is dead), not raised."""
+        try:
+            self.wait_all(works, stats)
+        except RefitCommError as e:
+            return e
+        return None
 
 
 class RefitReceiver(_Endpoint):

@@ -95,6 +95,11 @@ class EngineProcess:
         kind, message, trace = value
         raise EngineError(f"engine {command!r} failed: {kind}: {message}\n{trace}")
 
+    def kill(self) -> None:
+        """Kill the engine process at once (tests of a peer dying mid-refit)."""
+        self._proc.kill()
+        self._proc.join()
+
     def close(self) -> None:
         if self._proc.is_alive():
             if self._busy is None:

@@ -78,11 +78,12 @@ def trainer_job(rank: int, world: int, port: int, case: Case, steps: list[int], 
         specs = source.plan_specs()
         if mode == "wrong_shape":
             specs[3] = TensorSpec(specs[3].name, (7, 7), specs[3].dtype)
+        timeout_s = 15 if mode == "kill_engine" else 120
         group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
-                           num_trainers=case.trainers, timeout_s=120, device="cpu")
+                           num_trainers=case.trainers, timeout_s=timeout_s, device="cpu")
         try:
             sender = RefitSender.setup(group, RefitPlan.build(specs, RefitConfig(
-                bucket_bytes=BUCKET_BYTES, timeout_s=120)))
+                bucket_bytes=BUCKET_BYTES, timeout_s=timeout_s)))
         except Exception as e:  # noqa: BLE001 - compared by the test
             return [(type(e).__name__, str(e))]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -118,6 +119,9 @@ def refit_round(engines, case: Case, mode: str, steps: list[int], out_dir: str |
             answers[i].append(("join", joins[i].result(300)))
         except EngineError as e:
             answers[i].append(("join-error", str(e)))
+            return
+        if mode == "kill_engine":  # the engine dies before the refit reaches it
+            engines[i].kill()
             return
         for _ in steps:
             try:
