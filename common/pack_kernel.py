@@ -61,7 +61,10 @@ class KernelPack:
         """Copy from the source addresses `ptrs` (contiguous, unit-aligned, this device)."""
         if not self.chunk_slot.numel():
             return
-        src_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=self.dst.device)
+        # Pinned and non-blocking: a pageable upload would wait for the stream (the previous
+        # bucket's kernel), so the host could not prepare the next bucket meanwhile.
+        src_ptrs = torch.tensor(ptrs, dtype=torch.int64, pin_memory=True).to(
+            self.dst.device, non_blocking=True)
         _copy_chunks[(self.chunk_slot.numel(),)](
             src_ptrs, self.dst, self.dst_offs, self.sizes, self.chunk_slot, self.chunk_start,
             BLOCK=BLOCK)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.config import RefitConfig
-from common.packing import pack, unpack
+from common.packing import BucketLayout, pack, unpack
 from common.plan import RefitPlan, TensorSpec
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -66,3 +66,24 @@ def test_many_small_tensors_in_one_call(device: str) -> None:
     pack(buf, specs, bucket.offsets, tensors)
     assert all(torch.equal(v, t) for (_, v), t in zip(unpack(buf, specs, bucket.offsets),
                                                           tensors, strict=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adjacent_slots_of_one_dtype(device: str) -> None:
+    """Back-to-back slots (CPU: one `torch.cat` per run) with N-d, strided and 0-d sources."""
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(4, 64, generator=g), torch.randn(8, 32, generator=g).t(),
+               torch.randn((), generator=g), torch.randn(96, generator=g)[::3],
+               torch.randn(64, generator=g), torch.randn(3, 64, generator=g).half(),
+               torch.randn(64, generator=g).half(), torch.randn(64, generator=g)]
+    tensors = [t.to(device) for t in tensors]
+    specs = [TensorSpec.of(f"t{i}", t) for i, t in enumerate(tensors)]
+    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=1 << 20, alignment=4))
+    (bucket,) = plan.buckets
+    buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=device)
+    layout = BucketLayout(buf, specs, bucket.offsets)
+    if device == "cpu":  # fp32 #0-4 and fp16 #5-6 are runs; the last fp32 stands alone
+        assert [(lo, hi) for lo, hi, _ in layout.runs] == [(0, 5), (5, 7)]
+    layout.pack(tensors)
+    for (name, view), want in zip(layout.unpack(), tensors, strict=True):
+        assert view.shape == want.shape and torch.equal(view, want), name
