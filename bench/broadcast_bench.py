@@ -26,6 +26,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from common.broadcast import RefitReceiver, RefitSender, RefitStats, _Endpoint
@@ -176,7 +177,7 @@ def bench_pack(group: RefitGroup, count: int, numel: int,
     }
     if layout.kernels:  # the one-launch kernel alone: source pointers prepared beforehand
         ((_, kernel),) = layout.kernels
-        ptrs = [t.data_ptr() for t in tensors]
+        ptrs = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
         out["pack_kernel_gpu_only"] = timed(lambda: kernel.pack(ptrs), args, device)
     layouts.clear()
     tensors.clear()  # at most ~3 copies of the data at once

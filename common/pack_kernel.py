@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 try:
@@ -56,15 +57,22 @@ class KernelPack:
         self.sizes = torch.tensor(sizes, dtype=torch.int64, device=dev)
         self.chunk_slot = torch.tensor(slots, dtype=torch.int32, device=dev)
         self.chunk_start = torch.tensor(starts, dtype=torch.int64, device=dev)
+        # Source pointers go up through a pinned staging table, non-blocking: a pageable upload
+        # would wait for the stream (the previous bucket's kernel), so the host could not
+        # prepare the next bucket meanwhile. `uploaded` guards the staging table's reuse.
+        self.host_ptrs = torch.empty(len(sizes), dtype=torch.int64, pin_memory=True)
+        self.src_ptrs = torch.empty(len(sizes), dtype=torch.int64, device=dev)
+        self.uploaded = torch.cuda.Event()
 
-    def pack(self, ptrs: Sequence[int]) -> None:
+    def pack(self, ptrs: np.ndarray) -> None:
         """Copy from the source addresses `ptrs` (contiguous, unit-aligned, this device)."""
         if not self.chunk_slot.numel():
             return
-        # Pinned and non-blocking: a pageable upload would wait for the stream (the previous
-        # bucket's kernel), so the host could not prepare the next bucket meanwhile.
-        src_ptrs = torch.tensor(ptrs, dtype=torch.int64, pin_memory=True).to(
-            self.dst.device, non_blocking=True)
-        _copy_chunks[(self.chunk_slot.numel(),)](
-            src_ptrs, self.dst, self.dst_offs, self.sizes, self.chunk_slot, self.chunk_start,
-            BLOCK=BLOCK)
+        self.uploaded.synchronize()  # the last upload from the staging table has been read
+        self.host_ptrs.numpy()[:] = ptrs
+        with torch.cuda.device(self.dst.device):  # Triton launches on the current device
+            self.src_ptrs.copy_(self.host_ptrs, non_blocking=True)
+            self.uploaded.record()
+            _copy_chunks[(self.chunk_slot.numel(),)](
+                self.src_ptrs, self.dst, self.dst_offs, self.sizes, self.chunk_slot,
+                self.chunk_start, BLOCK=BLOCK)

@@ -84,3 +84,25 @@ def test_one_launch_pack_kernel_is_bitwise_and_falls_back_for_misaligned_sources
     assert not layout._pack_kernel(odd)  # its slot copies 8-byte units: falls back
     layout.pack(odd)
     assert all(torch.equal(v, t) for (_, v), t in zip(layout.unpack(), odd, strict=True))
+
+
+def test_pack_kernel_pointer_staging_is_not_overwritten_while_in_flight() -> None:
+    """The pointer table goes up non-blocking from pinned memory: packing the same bucket
+    again must not rewrite it before the previous upload has read it."""
+    from common.packing import BucketLayout
+    from common.plan import TensorSpec
+
+    a = [torch.full((4096,), float(i), device="cuda") for i in range(8)]
+    b = [torch.full((4096,), -float(i), device="cuda") for i in range(8)]
+    specs = [TensorSpec.of(f"t{i}", t) for i, t in enumerate(a)]
+    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=1 << 20))
+    (bucket,) = plan.buckets
+    buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device="cuda")
+    layout = BucketLayout(buf, specs, bucket.offsets)
+    torch.cuda._sleep(200_000_000)  # keep the stream busy: a's upload waits behind this
+    layout.pack(a)
+    snapshot = buf.clone()  # stream-ordered after a's kernel
+    layout.pack(b)
+    got = BucketLayout(snapshot, specs, bucket.offsets).unpack()
+    assert all(torch.equal(v, t) for (_, v), t in zip(got, a, strict=True))
+    assert all(torch.equal(v, t) for (_, v), t in zip(layout.unpack(), b, strict=True))
