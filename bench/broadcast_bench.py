@@ -169,6 +169,8 @@ def bench_pack(group: RefitGroup, count: int, numel: int,
         dsts = [v for v in layout.views if v is not None]
         torch._foreach_copy_(dsts, tensors)
 
+    # On the H200 host the first few passes run slower (the host side bounds this figure)
+    args = argparse.Namespace(**{**vars(args), "warmup": max(args.warmup, 3)})
     out = {
         "pack": timed(refit_pack, args, device),  # what a refit runs, bucket by bucket
         "pack_one_layout": timed(lambda: layout.pack(tensors), args, device),
@@ -346,7 +348,7 @@ def main() -> None:
     ap.add_argument("--bucket-mib", type=int, default=None, help="256 on GPU, 64 on CPU")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=None, help="timed runs (3 quick, 5 full)")
-    ap.add_argument("--naive-reps", type=int, default=None, help="timed naive runs (2 quick)")
+    ap.add_argument("--naive-reps", type=int, default=None, help="timed naive runs (1 quick)")
     ap.add_argument("--timeout", type=float, default=None, help="RefitConfig.timeout_s")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
@@ -356,7 +358,7 @@ def main() -> None:
     args.shapes = "gpu" if args.device == "cuda" else "cpu"
     args.bucket_bytes = (args.bucket_mib or (256 if args.device == "cuda" else 64)) << 20
     args.reps = args.reps or (3 if args.quick else 5)
-    args.naive_reps = args.naive_reps or (2 if args.quick else 3)
+    args.naive_reps = args.naive_reps or (1 if args.quick else 3)  # ~14 s per MoE rep on CPU
     args.timeout = args.timeout or (60.0 if args.quick else 300.0)
     args.deadline = 10 * args.timeout
     world = torch.cuda.device_count() if args.device == "cuda" else 3

@@ -86,20 +86,22 @@ def test_one_launch_pack_kernel_is_bitwise_and_falls_back_for_misaligned_sources
     assert all(torch.equal(v, t) for (_, v), t in zip(layout.unpack(), odd, strict=True))
 
 
-def test_pack_kernel_pointer_staging_is_not_overwritten_while_in_flight() -> None:
-    """The pointer table goes up non-blocking from pinned memory: packing the same bucket
-    again must not rewrite it before the previous upload has read it."""
+def test_back_to_back_packs_of_one_bucket_with_the_stream_busy() -> None:
+    """The pointer table goes up non-blocking through a pinned staging table that the next
+    pack of the same bucket rewrites: each pack must still copy its own sources. (The event
+    guard in KernelPack is what the API requires; this H200's driver also copies such small
+    uploads at enqueue time, so the test passes without the guard.)"""
     from common.packing import BucketLayout
     from common.plan import TensorSpec
 
-    a = [torch.full((4096,), float(i), device="cuda") for i in range(8)]
-    b = [torch.full((4096,), -float(i), device="cuda") for i in range(8)]
+    rows = torch.arange(2_000, dtype=torch.float32, device="cuda")[:, None].expand(-1, 64)
+    a, b = list((rows + 1).unbind(0)), list((-rows - 1).unbind(0))
     specs = [TensorSpec.of(f"t{i}", t) for i, t in enumerate(a)]
-    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=1 << 20))
+    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=16 << 20))
     (bucket,) = plan.buckets
     buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device="cuda")
     layout = BucketLayout(buf, specs, bucket.offsets)
-    torch.cuda._sleep(200_000_000)  # keep the stream busy: a's upload waits behind this
+    torch.cuda._sleep(500_000_000)  # keep the stream busy: a's upload waits behind this
     layout.pack(a)
     snapshot = buf.clone()  # stream-ordered after a's kernel
     layout.pack(b)
