@@ -7,6 +7,7 @@ vocabulary (PADDED_VOCAB rows); the refit sends the true VOCAB rows only.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,3 +184,57 @@ def megatron_logprobs(model: list[torch.nn.Module], seqs: list[list[int]],
         for p, value in zip(params, saved, strict=True):
             p.copy_(value)
     return out if ps.is_pipeline_last_stage() else None
+
+
+def randomise(chunks: list[torch.nn.Module], seed: int) -> None:
+    """Fill every weight (norms, biases, expert bias too) from its global name and shard.
+
+    Replicated tensors get the same values on every rank, shards differ per TP/ETP rank, so
+    Megatron's own forward is consistent and every value is distinguishable.
+    """
+    from megatron.core import parallel_state as ps
+
+    from mcore_refit import names
+
+    tp, etp = ps.get_tensor_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
+    ep = ps.get_expert_model_parallel_rank()
+    for chunk in chunks:
+        offsets = names.layer_offsets(names.unwrap(chunk))
+        items = list(chunk.named_parameters()) + [
+            (n, b) for n, b in chunk.named_buffers() if n.endswith("expert_bias")]
+        for raw, t in items:
+            name, _ = names.globalize_layer(names.strip_wrappers(raw), offsets)
+            slot = names.expert_slot(name)
+            shard = 0
+            if getattr(t, "tensor_model_parallel", False):
+                shard = etp if slot else tp
+            key = f"{seed}:{name}:{shard}:{ep if slot else 0}"
+            g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+            noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
+            with torch.no_grad():
+                if t.dim() == 1 and ("norm" in name or "layernorm" in name):
+                    t.copy_(1.0 + 0.2 * noise)
+                elif t.dim() == 1:
+                    t.copy_(0.2 * noise)
+                else:
+                    t.copy_(noise * (0.5 if "embedding" in name else 0.12))
+    sync_tied_output(chunks)
+
+
+def sync_tied_output(chunks: list[torch.nn.Module]) -> None:
+    """Tied + PP>1: the last stage's `output_layer` copy must equal the embedding (Megatron
+    zeroes it and all-reduces over the embedding group at init, as done here)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
+        return
+    for chunk in chunks:
+        if not getattr(chunk, "share_embeddings_and_output_weights", False):
+            continue
+        weight = chunk.shared_embedding_or_output_weight()
+        if weight is None:
+            continue
+        with torch.no_grad():
+            if not chunk.pre_process:
+                weight.zero_()
+            dist.all_reduce(weight.data, group=ps.get_embedding_group())

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.mcore.cpu_shim, recipes.*
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
 
 from common.broadcast import RefitSender  # noqa: E402
 from common.config import RefitConfig  # noqa: E402
@@ -43,6 +43,7 @@ from recipes.mcore_models import (  # noqa: E402
     build_model,
     hf_config,
     megatron_logprobs,
+    randomise,
     setup_parallel,
     train_step,
     wrap_for_training,
@@ -104,7 +105,7 @@ def final_checks(engine: EngineProcess, ckpt: str, mega: list[list[float]]) -> d
     greedy tokens and logprobs exactly), vs transformers, and transformers vs Megatron."""
     from safetensors.torch import load_file
 
-    from tests.vllm.helpers import compare_params, vllm_layout
+    from recipes.vllm_checks import compare_params, vllm_layout
 
     got, out = engine.call("read"), engine.call("generate", PROMPTS, NEW_TOKENS)
     with EngineProcess(EngineConfig(model=ckpt, llm_kwargs=LLM_KWARGS)) as fresh:
@@ -135,13 +136,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engine process inherits it
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from tests.mcore import cpu_shim  # torch.cuda stand-ins megatron-core needs on CPU
+    from recipes import mcore_cpu_shim  # torch.cuda stand-ins megatron-core needs on CPU
 
-    cpu_shim.install()
+    mcore_cpu_shim.install()
     dist.init_process_group("gloo")
     rank, trainers = dist.get_rank(), dist.get_world_size()
     from mcore_refit import MegatronWeightSource, converter_for
-    from tests.mcore.ranks import randomise
 
     t0 = time.perf_counter()
     setup_parallel(layout)

@@ -9,9 +9,9 @@ from tests.pool import RankPool
 def _init(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
 
-    from tests.mcore import cpu_shim
+    from recipes import mcore_cpu_shim
 
-    cpu_shim.install()
+    mcore_cpu_shim.install()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from common.engine import EngineError, EngineProcess
+from recipes.vllm_checks import compare_params
 from tests.dtensor.shard import Case
 from tests.vllm.harness import initial_checkpoint, refit_round
-from tests.vllm.helpers import PROMPTS, compare_params, engine_config, expected_params
+from tests.vllm.helpers import PROMPTS, engine_config, expected_params
 
 pytestmark = pytest.mark.slow
 CASE = Case("qwen3", dp=2, model_dtype=torch.float32)

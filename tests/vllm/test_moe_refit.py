@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from common.engine import EngineProcess
+from recipes.vllm_checks import compare_params
 from tests.dtensor.shard import Case
 from tests.vllm.harness import initial_checkpoint, refit_round
-from tests.vllm.helpers import PROMPTS, compare_params, engine_config, expected_params
+from tests.vllm.helpers import PROMPTS, engine_config, expected_params
 
 pytestmark = pytest.mark.slow
 CASES = {"qwen3_moe": Case("qwen3_moe", dp=2), "deepseek_v3": Case("deepseek_v3", dp=2)}

@@ -1,8 +1,9 @@
-"""Test-only CPU stand-ins for the torch.cuda calls megatron-core makes unconditionally.
+"""CPU stand-ins for the torch.cuda calls megatron-core makes unconditionally.
 
 megatron-core 0.16.1 calls torch.cuda.current_device / synchronize / RNG state and
 Tensor.cuda() in MoE router, RNG seeding, forward and the PP schedule even on CPU. These
-no-ops let the real code run on gloo/CPU. Only tests import this; the library never does.
+no-ops let the real code run on gloo/CPU. The CPU recipes and tests install them; the
+library never does (it patches torch.cuda for the whole process).
 """
 
 from __future__ import annotations
