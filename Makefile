@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
+# The venv's ninja builds the sender's native checks (common/native.py) on first use.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: setup demo test test-fast lint bench
 setup:

@@ -27,6 +27,7 @@ from operator import attrgetter, itemgetter
 
 import torch
 
+from common import native
 from common.errors import (
     PlanMismatchError,
     RefitAborted,
@@ -189,10 +190,14 @@ class RefitSender(_Endpoint):
 
     def __init__(self, group: RefitGroup, plan: RefitPlan) -> None:
         super().__init__(group, plan)
+        mine = [b for b in plan.buckets if b.source_rank == group.rank]
         self._expected = {  # per bucket this rank sends: names, dtypes, shapes as listed
             b.index: tuple(list(map(f, plan.bucket_specs(b))) for f in (_NAME, _DTYPE, _SHAPE))
-            for b in plan.buckets if b.source_rank == group.rank
+            for b in mine
         }
+        module = native.load()
+        self._scans = {} if module is None else {
+            b.index: native.BucketScan(module, plan.bucket_specs(b), group.device) for b in mine}
 
     @classmethod
     def setup(cls, group: RefitGroup, plan: RefitPlan) -> RefitSender:
@@ -200,31 +205,39 @@ class RefitSender(_Endpoint):
             raise ValueError(f"{group.who} is not a training rank; use RefitReceiver")
         return cls(group, agree_on_plan(group, plan))
 
-    def _take(self, it: Iterator, bucket: Bucket, version: int) -> list:
+    def _take(self, it: Iterator, bucket: Bucket, version: int) -> tuple[list, object]:
+        """This bucket's tensors from the source, checked against the plan, and their source
+        addresses when the native scan collected them (else None)."""
         specs = self.plan.bucket_specs(bucket)
         items = list(itertools.islice(it, len(specs)))
         if len(items) < len(specs):
             raise RefitError(f"weight source ended at {specs[len(items)].name!r} (tensor "
                              f"#{bucket.start + len(items)}); the plan has {len(self.plan.specs)}")
         if self.group.rank != bucket.source_rank:
-            return []  # not needed here: free them before this rank's receive buffer fills
+            return [], None  # not needed here: free them before this rank's buffer fills
         tensors = list(map(_SECOND, items))
-        if not self._matches(bucket, items, tensors):
+        ok, ptrs = self._matches(bucket, items, tensors)
+        if not ok:
             for i, (spec, (name, tensor)) in enumerate(zip(specs, items, strict=True)):
                 if why := check_tensor(spec, name, tensor):
                     raise TensorMismatchError(f"{self.group.who}: refit v{version} bucket "
                                               f"{bucket.index} tensor #{bucket.start + i} {why}")
-        return tensors
+        return tensors, ptrs
 
-    def _matches(self, bucket: Bucket, items: list, tensors: list) -> bool:
-        """Names, dtypes and shapes all as planned, compared as whole lists (C-level passes:
-        a Python loop over 20,000 MoE tensors costs more than their broadcast on NVLink)."""
+    def _matches(self, bucket: Bucket, items: list, tensors: list) -> tuple[bool, object]:
+        """Names, dtypes and shapes all as planned, checked per bucket, not per tensor (a
+        Python loop over 20,000 MoE tensors costs more than their broadcast on NVLink): one
+        native scan (which also collects the addresses), else whole-list comparisons."""
         names, dtypes, shapes = self._expected[bucket.index]
+        if list(map(_FIRST, items)) != names:
+            return False, None
+        if scan := self._scans.get(bucket.index):
+            return scan.scan(tensors)
         try:
-            return (list(map(_FIRST, items)) == names and list(map(_DTYPE, tensors)) == dtypes
-                    and list(map(_SHAPE, tensors)) == shapes)
+            same = list(map(_DTYPE, tensors)) == dtypes and list(map(_SHAPE, tensors)) == shapes
+            return same, None
         except AttributeError:  # a None (or not-a-tensor) item: the slow path names it
-            return False
+            return False, None
 
     def header_table(self, version: int) -> torch.Tensor:
         """Every bucket's OK header for this refit, moved to the device in one copy (a copy per
@@ -255,10 +268,11 @@ class RefitSender(_Endpoint):
                 dead = dead or self._settle(pending[s], stats)
                 pending[s], held[s] = [], None
             tensors: list = []
+            ptrs = None
             if it is not None:
                 t1 = time.perf_counter()
                 try:
-                    tensors = self._take(it, bucket, version)
+                    tensors, ptrs = self._take(it, bucket, version)
                 except TensorMismatchError as e:
                     error = error or e
                 except Exception as e:  # noqa: BLE001 - the source is broken: stop iterating
@@ -275,7 +289,7 @@ class RefitSender(_Endpoint):
                     if bucket.direct:
                         payload = byte_view(tensors[0].contiguous())
                     else:
-                        self.layouts[bucket.index].pack(tensors)
+                        self.layouts[bucket.index].pack(tensors, ptrs)
                 except Exception as e:  # noqa: BLE001 - reported to every rank
                     error = RefitError(f"{group.who}: packing {what} failed: {e}")
             # The header leads the bucket's own buffer, or has a buffer of its own (direct).

@@ -108,11 +108,13 @@ class BucketLayout:
                 and self.views[i] is not None and self.views[j] is not None
                 and self.offsets[i] + a.nbytes == self.offsets[j])
 
-    def pack(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy `tensors` (already checked against the specs) into the buffer."""
+    def pack(self, tensors: Sequence[torch.Tensor], ptrs: np.ndarray | None = None) -> None:
+        """Copy `tensors` (already checked against the specs) into the buffer. `ptrs`: their
+        addresses, given only when every tensor is known to be contiguous on this device
+        (`native.BucketScan`); otherwise they are read and checked here."""
         for lo, hi, out in self.runs:
             torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in tensors[lo:hi]], out=out)
-        if not self._pack_kernel(tensors):
+        if not self._pack_kernel(tensors, ptrs):
             for idx, dsts in self.groups:
                 srcs = tensors if idx is None else [tensors[i] for i in idx]
                 torch._foreach_copy_(dsts, srcs, non_blocking=True)
@@ -120,7 +122,7 @@ class BucketLayout:
             o, n = self.offsets[i], self.specs[i].nbytes
             self.buffer[o : o + n].copy_(byte_view(tensors[i].contiguous()), non_blocking=True)
 
-    def _pack_kernel(self, tensors: Sequence[torch.Tensor]) -> bool:
+    def _pack_kernel(self, tensors: Sequence[torch.Tensor], ptrs: np.ndarray | None) -> bool:
         """Pack every aligned slot with the one-launch kernels; False: use the foreach copy.
 
         The checks and the pointer table are C-level `map`s and numpy: at 20,000 tensors per
@@ -128,10 +130,11 @@ class BucketLayout:
         """
         if not self.kernels:
             return False
-        if (set(map(torch.Tensor.get_device, tensors)) != {self.device_index}
-                or not all(map(torch.Tensor.is_contiguous, tensors))):
-            return False
-        ptrs = np.fromiter(map(torch.Tensor.data_ptr, tensors), np.int64, len(tensors))
+        if ptrs is None:
+            if (set(map(torch.Tensor.get_device, tensors)) != {self.device_index}
+                    or not all(map(torch.Tensor.is_contiguous, tensors))):
+                return False
+            ptrs = np.fromiter(map(torch.Tensor.data_ptr, tensors), np.int64, len(tensors))
         tables = [(k, ptrs if idx is None else ptrs[idx]) for idx, k in self.kernels]
         if any(np.bitwise_or.reduce(table) & (k.unit - 1) for k, table in tables if len(table)):
             return False  # a source not aligned to its slot's copy unit

@@ -90,7 +90,9 @@ def drift_rank(rank: int, world: int, port: int) -> dict:
     return {"first": first, "second": second, "seen": seen}
 
 
-def test_drifted_dtype_fails_on_all_ranks_before_its_bucket() -> None:
+@pytest.mark.parametrize("native", ["1", "0"])  # the sender's native scan, or its Python path
+def test_drifted_dtype_fails_on_all_ranks_before_its_bucket(native: str, monkeypatch) -> None:
+    monkeypatch.setenv("REFIT_NATIVE", native)  # the spawned ranks inherit it
     res = expect_ok(run_ranks(drift_rank, 4))
     kind, msg = res[0]["first"]
     assert kind == "TensorMismatchError" and "'layers.5.weight'" in msg and "bfloat16" in msg

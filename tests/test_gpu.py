@@ -76,12 +76,12 @@ def test_one_launch_pack_kernel_is_bitwise_and_falls_back_for_misaligned_sources
     buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device="cuda")
     layout = BucketLayout(buf, specs, bucket.offsets)
     assert sorted(k.unit for _, k in layout.kernels) == [1, 2, 4, 8]  # bool 9 B, bf16 7 x 2 B..
-    assert layout._pack_kernel(tensors)  # the one-launch path itself
+    assert layout._pack_kernel(tensors, None)  # the one-launch path itself
     assert all(torch.equal(v, t) for (_, v), t in zip(layout.unpack(), tensors, strict=True))
     buf.zero_()
     shifted = torch.randn(5001, generator=g, device="cuda").bfloat16()[1:]  # 2-byte aligned
     odd = [shifted, *tensors[1:]]
-    assert not layout._pack_kernel(odd)  # its slot copies 8-byte units: falls back
+    assert not layout._pack_kernel(odd, None)  # its slot copies 8-byte units: falls back
     layout.pack(odd)
     assert all(torch.equal(v, t) for (_, v), t in zip(layout.unpack(), odd, strict=True))
 
