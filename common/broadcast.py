@@ -203,6 +203,7 @@ class RefitSender(_Endpoint):
     def setup(cls, group: RefitGroup, plan: RefitPlan) -> RefitSender:
         if not group.is_trainer:
             raise ValueError(f"{group.who} is not a training rank; use RefitReceiver")
+        native.load()  # a first build (~25 s) happens here, before the group waits on us
         return cls(group, agree_on_plan(group, plan))
 
     def _take(self, it: Iterator, bucket: Bucket, version: int) -> tuple[list, object]:

@@ -6,6 +6,8 @@ checks a whole bucket in one call (~30 ns per tensor) and collects the source ad
 pack kernel. The extension is built once per machine by torch's JIT loader (a C++ compiler and
 ninja; cached under TORCH_EXTENSIONS_DIR, rebuilt when this source changes); when it cannot be
 built, the Python path is used and one warning says why. `REFIT_NATIVE=0` turns it off.
+`python -m common.native` builds it ahead of time (e.g. in a container image): the first
+build takes ~25 s, which otherwise falls into the first `RefitSender.setup`.
 """
 
 from __future__ import annotations
@@ -113,3 +115,8 @@ class BucketScan:
         if code >= 0:
             return False, None
         return True, self.ptrs.numpy() if code == -1 else None
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    raise SystemExit(0 if load() is not None else 1)
