@@ -17,7 +17,6 @@ import multiprocessing as mp
 import os
 import platform
 import queue
-import socket
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ import torch
 
 from common.broadcast import RefitReceiver, RefitSender, RefitStats, _Endpoint
 from common.config import RefitConfig
-from common.group import RefitGroup
+from common.group import RefitGroup, free_port
 from common.packing import BucketLayout, byte_view
 from common.plan import RefitPlan, TensorSpec, align_up
 from common.source import DictWeightSource
@@ -296,9 +295,7 @@ def _child(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) -
 def run_ranks(world: int, args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world, port, args, q)) for r in range(world)]
     for p in procs:
         p.start()

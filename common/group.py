@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -43,6 +44,14 @@ def _env(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on this host now, for rank 0 to host the refit group's store on (hand it
+    to the other ranks out of band: the training job's own group, or the engine's join call)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class RefitGroup:

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
 from common.broadcast import RefitSender  # noqa: E402
 from common.config import RefitConfig  # noqa: E402
 from common.engine import EngineConfig, EngineProcess  # noqa: E402
-from common.group import RefitGroup  # noqa: E402
+from common.group import RefitGroup, free_port  # noqa: E402
 from common.plan import RefitPlan  # noqa: E402
 from recipes.mcore_models import (  # noqa: E402
     DENSE,
@@ -165,9 +164,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         engine = EngineProcess(EngineConfig(model=str(workdir / "v0"), llm_kwargs=LLM_KWARGS))
         before = engine.call("generate", PROMPTS, NEW_TOKENS)["tokens"]
         log(f"engine up in {time.perf_counter() - t1:.1f}s; greedy before training: {before}")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = [s.getsockname()[1]]
+        port = [free_port()]
         joining = engine.submit("join", "127.0.0.1", port[0], trainers, trainers + 1, trainers,
                                 120.0)
     dist.broadcast_object_list(port, src=0)

@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from common.group import free_port
 from common.source import DictWeightSource
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, queue: Any) -> None:

@@ -18,10 +18,10 @@ from common.errors import (
     RefitError,
     TensorMismatchError,
 )
-from common.group import RefitGroup
+from common.group import RefitGroup, free_port
 from common.plan import RefitPlan, TensorSpec
 from common.source import DictWeightSource
-from tests.multiproc import expect_ok, free_port, receive_all, run_ranks
+from tests.multiproc import expect_ok, receive_all, run_ranks
 
 TRAINERS = 2
 

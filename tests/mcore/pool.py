@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.multiproc import free_port
+from common.group import free_port
 from tests.pool import RankPool
 
 

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from common.engine import EngineError
+from common.group import free_port
 from tests.dtensor.shard import Case, bias_names, build_unsharded, shard_model
-from tests.multiproc import free_port, run_ranks
+from tests.multiproc import run_ranks
 
 BUCKET_BYTES = 16 << 10  # smaller than one layer: layers straddle buckets
 
