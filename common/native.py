@@ -110,7 +110,7 @@ class BucketScan:
         try:
             code = self.module.scan(tensors, self.dtypes, self.shapes, self.offsets,
                                     *self.device, self.ptrs)
-        except TypeError:  # a None or not-a-tensor item
+        except (TypeError, RuntimeError):  # None, not a tensor, no storage: Python decides
             return False, None
         if code >= 0:
             return False, None

@@ -60,6 +60,8 @@ def test_non_contiguous_or_other_device_matches_without_addresses(module) -> Non
     strided = list(ts)
     strided[0] = torch.randn(3, 4).bfloat16().t()  # right shape and dtype, not contiguous
     assert scan.scan(strided) == (True, None)
+    meta = [torch.empty_like(t, device="meta") for t in ts]  # right specs, no data
+    assert scan.scan(meta) == (True, None)
     if torch.cuda.is_available():  # the plan's device is CPU: CUDA sources need no kernel
         elsewhere = native.BucketScan(module, specs, torch.device("cuda", 0))
         assert elsewhere.scan(ts) == (True, None)
