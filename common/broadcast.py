@@ -18,12 +18,10 @@ ABORT headers instead of payloads; receivers stop loading at the first ABORT.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from operator import attrgetter, itemgetter
 
 import torch
 
@@ -37,13 +35,12 @@ from common.errors import (
 )
 from common.group import RefitGroup
 from common.packing import BucketLayout, byte_view
-from common.plan import Bucket, RefitPlan, TensorSpec, align_up, dtype_name
+from common.plan import Bucket, RefitPlan, align_up
 from common.source import WeightSource
+from common.taker import BucketTaker
 from common.wire import HEADER_BYTES, STATUS_ABORT, STATUS_OK, Header
 
 log = logging.getLogger(__name__)
-_FIRST, _SECOND = itemgetter(0), itemgetter(1)
-_NAME, _DTYPE, _SHAPE = attrgetter("name"), attrgetter("dtype"), attrgetter("shape")
 _STATUS_BYTES = 480
 BucketCallback = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -170,34 +167,12 @@ class _Endpoint:
         return stats
 
 
-def check_tensor(spec: TensorSpec, name: str, tensor: torch.Tensor | None) -> str | None:
-    """Why `tensor` cannot be sent as `spec`, or None."""
-    if name != spec.name:
-        return f"weight source yielded {name!r} where the plan expects {spec.name!r}"
-    if tensor is None:
-        return f"{spec.name!r}: no tensor on its source rank {spec.source_rank}"
-    if tuple(tensor.shape) != spec.shape:
-        return f"{spec.name!r}: shape {list(tensor.shape)} but the plan says {list(spec.shape)}"
-    if tensor.dtype != spec.dtype:
-        return (f"{spec.name!r}: dtype {dtype_name(tensor.dtype)} but the plan says "
-                f"{dtype_name(spec.dtype)} (the plan holds the declared output dtype; convert "
-                f"before yielding)")
-    return None
-
-
 class RefitSender(_Endpoint):
     """Runs on every training rank; the plan's source ranks send, the others take part."""
 
     def __init__(self, group: RefitGroup, plan: RefitPlan) -> None:
         super().__init__(group, plan)
-        mine = [b for b in plan.buckets if b.source_rank == group.rank]
-        self._expected = {  # per bucket this rank sends: names, dtypes, shapes as listed
-            b.index: tuple(list(map(f, plan.bucket_specs(b))) for f in (_NAME, _DTYPE, _SHAPE))
-            for b in mine
-        }
-        module = native.load()
-        self._scans = {} if module is None else {
-            b.index: native.BucketScan(module, plan.bucket_specs(b), group.device) for b in mine}
+        self.taker = BucketTaker(plan, group.rank, group.device, group.who)
 
     @classmethod
     def setup(cls, group: RefitGroup, plan: RefitPlan) -> RefitSender:
@@ -205,40 +180,6 @@ class RefitSender(_Endpoint):
             raise ValueError(f"{group.who} is not a training rank; use RefitReceiver")
         native.load()  # a first build (~25 s) happens here, before the group waits on us
         return cls(group, agree_on_plan(group, plan))
-
-    def _take(self, it: Iterator, bucket: Bucket, version: int) -> tuple[list, object]:
-        """This bucket's tensors from the source, checked against the plan, and their source
-        addresses when the native scan collected them (else None)."""
-        specs = self.plan.bucket_specs(bucket)
-        items = list(itertools.islice(it, len(specs)))
-        if len(items) < len(specs):
-            raise RefitError(f"weight source ended at {specs[len(items)].name!r} (tensor "
-                             f"#{bucket.start + len(items)}); the plan has {len(self.plan.specs)}")
-        if self.group.rank != bucket.source_rank:
-            return [], None  # not needed here: free them before this rank's buffer fills
-        tensors = list(map(_SECOND, items))
-        ok, ptrs = self._matches(bucket, items, tensors)
-        if not ok:
-            for i, (spec, (name, tensor)) in enumerate(zip(specs, items, strict=True)):
-                if why := check_tensor(spec, name, tensor):
-                    raise TensorMismatchError(f"{self.group.who}: refit v{version} bucket "
-                                              f"{bucket.index} tensor #{bucket.start + i} {why}")
-        return tensors, ptrs
-
-    def _matches(self, bucket: Bucket, items: list, tensors: list) -> tuple[bool, object]:
-        """Names, dtypes and shapes all as planned, checked per bucket, not per tensor (a
-        Python loop over 20,000 MoE tensors costs more than their broadcast on NVLink): one
-        native scan (which also collects the addresses), else whole-list comparisons."""
-        names, dtypes, shapes = self._expected[bucket.index]
-        if list(map(_FIRST, items)) != names:
-            return False, None
-        if scan := self._scans.get(bucket.index):
-            return scan.scan(tensors)
-        try:
-            same = list(map(_DTYPE, tensors)) == dtypes and list(map(_SHAPE, tensors)) == shapes
-            return same, None
-        except AttributeError:  # a None (or not-a-tensor) item: the slow path names it
-            return False, None
 
     def header_table(self, version: int) -> torch.Tensor:
         """Every bucket's OK header for this refit, moved to the device in one copy (a copy per
@@ -273,7 +214,7 @@ class RefitSender(_Endpoint):
             if it is not None:
                 t1 = time.perf_counter()
                 try:
-                    tensors, ptrs = self._take(it, bucket, version)
+                    tensors, ptrs = self.taker.take(it, bucket, version)
                 except TensorMismatchError as e:
                     error = error or e
                 except Exception as e:  # noqa: BLE001 - the source is broken: stop iterating
