@@ -2,7 +2,7 @@
 
 At 20,000 MoE tensors the sender's Python work per tensor (dtype, shape, device, contiguity,
 address: ~1 µs on an H200 host) takes longer than NVLink needs to move them. `BucketScan`
-checks a whole bucket in one call (~30 ns per tensor) and collects the source addresses for the
+checks a whole bucket in one call (~80 ns per tensor there) and collects the addresses for the
 pack kernel. The extension is built once per machine by torch's JIT loader (a C++ compiler and
 ninja; cached under TORCH_EXTENSIONS_DIR, rebuilt when this source changes); when it cannot be
 built, the Python path is used and one warning says why. `REFIT_NATIVE=0` turns it off.
