@@ -53,7 +53,7 @@ int64_t scan(const std::vector<at::Tensor>& ts, const at::Tensor& dtypes,
     if (!direct) continue;
     auto dev = t.device();
     if (static_cast<int64_t>(dev.type()) != device_type || dev.index() != device_index ||
-        !t.is_contiguous()) {
+        !t.is_contiguous() || t.is_neg() || t.is_conj()) {  // lazy sign/conj: not raw bytes
       direct = false;
       continue;
     }

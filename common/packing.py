@@ -22,8 +22,9 @@ from common.plan import TensorSpec
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous, non-empty tensor's bytes as a flat uint8 view (0-d included)."""
-    return tensor.reshape(-1).view(torch.uint8)
+    """A contiguous, non-empty tensor's bytes as a flat uint8 view (0-d included); a lazy
+    negation or conjugation is applied first (a copy) so the bytes hold the values."""
+    return tensor.resolve_conj().resolve_neg().reshape(-1).view(torch.uint8)
 
 
 class BucketLayout:
@@ -132,7 +133,9 @@ class BucketLayout:
             return False
         if ptrs is None:
             if (set(map(torch.Tensor.get_device, tensors)) != {self.device_index}
-                    or not all(map(torch.Tensor.is_contiguous, tensors))):
+                    or not all(map(torch.Tensor.is_contiguous, tensors))
+                    or any(map(torch.Tensor.is_neg, tensors))  # lazy sign: raw bytes differ
+                    or any(map(torch.Tensor.is_conj, tensors))):
                 return False
             ptrs = np.fromiter(map(torch.Tensor.data_ptr, tensors), np.int64, len(tensors))
         tables = [(k, ptrs if idx is None else ptrs[idx]) for idx, k in self.kernels]

@@ -62,6 +62,8 @@ def test_non_contiguous_or_other_device_matches_without_addresses(module) -> Non
     assert scan.scan(strided) == (True, None)
     meta = [torch.empty_like(t, device="meta") for t in ts]  # right specs, no data
     assert scan.scan(meta) == (True, None)
+    negated = [*ts[:4], torch._neg_view(ts[4])]  # lazy sign bit: its raw bytes are not the values
+    assert scan.scan(negated) == (True, None)
     if torch.cuda.is_available():  # the plan's device is CPU: CUDA sources need no kernel
         elsewhere = native.BucketScan(module, specs, torch.device("cuda", 0))
         assert elsewhere.scan(ts) == (True, None)

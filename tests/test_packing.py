@@ -24,12 +24,13 @@ def mixed(device: str) -> dict[str, torch.Tensor]:
         "transposed": torch.randn(6, 4, generator=g).t(),
         "strided": torch.randn(10, generator=g)[::3],
         "uint8": torch.randint(0, 255, (9,), dtype=torch.uint8, generator=g),
+        "neg_view": torch._neg_view(torch.randn(6, generator=g)),  # lazy sign bit: not raw bytes
     }
     return {k: v.to(device) for k, v in t.items()}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    return t.resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
 @pytest.mark.parametrize("device", DEVICES)
