@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common import native
 from common.broadcast import RefitReceiver, RefitSender, RefitStats, _Endpoint
 from common.config import RefitConfig
 from common.group import RefitGroup, free_port
@@ -139,17 +140,26 @@ def coalesced_step(end: RefitSender | RefitReceiver, source: DictWeightSource | 
 
 def bench_pack(group: RefitGroup, count: int, numel: int,
                args: argparse.Namespace) -> dict[str, float]:
-    """GB/s (bytes read + written) of packing the MoE list: bucket by bucket as a refit does,
-    in one layout, with a foreach copy and a per-tensor copy_ loop, against one big copy_."""
+    """GB/s (bytes read + written) of packing the MoE list: bucket by bucket as a refit does
+    (native scan for checks and addresses, then the pack), with the Python checks instead, in
+    one layout, with a foreach copy and a per-tensor copy_ loop, against one big copy_."""
     device = group.device
     tensors = make_tensors(count, numel, device)
     specs = make_specs("pack", count, numel, 1)
     plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=args.bucket_bytes, num_buffers=2))
     layouts = _Endpoint(group, plan).layouts  # a refit's per-bucket layouts; nothing is sent
 
-    def refit_pack() -> None:
+    module = native.load()
+    scans = {b.index: native.BucketScan(module, plan.bucket_specs(b), device)
+             for b in plan.buckets} if module is not None else {}
+
+    def refit_pack(checks: str) -> None:
         for b in plan.buckets:
-            layouts[b.index].pack(tensors[b.start : b.stop])
+            part, ptrs = tensors[b.start : b.stop], None
+            if checks == "native":
+                ok, ptrs = scans[b.index].scan(part)
+                assert ok
+            layouts[b.index].pack(part, ptrs)
 
     offsets, end = [], 0
     for s in specs:
@@ -171,7 +181,8 @@ def bench_pack(group: RefitGroup, count: int, numel: int,
     # On the H200 host the first few passes run slower (the host side bounds this figure)
     args = argparse.Namespace(**{**vars(args), "warmup": max(args.warmup, 3)})
     out = {
-        "pack": timed(refit_pack, args, device),  # what a refit runs, bucket by bucket
+        "pack": timed(partial(refit_pack, "native" if scans else "python"), args, device),
+        "pack_python_checks": timed(partial(refit_pack, "python"), args, device),
         "pack_one_layout": timed(lambda: layout.pack(tensors), args, device),
         "pack_foreach": timed(foreach, args, device),
         "per_tensor_copy_loop": timed(loop, args, device),
