@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from common import native
 from common.broadcast import RefitReceiver, RefitSender, RefitStats, _Endpoint
 from common.config import RefitConfig
 from common.group import RefitGroup, free_port
 from common.packing import BucketLayout, byte_view
 from common.plan import RefitPlan, TensorSpec, align_up
 from common.source import DictWeightSource
+from common.taker import BucketTaker
 
 # shape -> (tensor count, elements per bf16 tensor)
 SHAPES: dict[str, dict[str, tuple[int, int]]] = {
@@ -141,7 +141,7 @@ def coalesced_step(end: RefitSender | RefitReceiver, source: DictWeightSource | 
 def bench_pack(group: RefitGroup, count: int, numel: int,
                args: argparse.Namespace) -> dict[str, float]:
     """GB/s (bytes read + written) of packing the MoE list: bucket by bucket as a refit does
-    (native scan for checks and addresses, then the pack), with the Python checks instead, in
+    (the sender's checks, native when built, then the pack), with the Python checks, in
     one layout, with a foreach copy and a per-tensor copy_ loop, against one big copy_."""
     device = group.device
     tensors = make_tensors(count, numel, device)
@@ -149,16 +149,15 @@ def bench_pack(group: RefitGroup, count: int, numel: int,
     plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=args.bucket_bytes, num_buffers=2))
     layouts = _Endpoint(group, plan).layouts  # a refit's per-bucket layouts; nothing is sent
 
-    module = native.load()
-    scans = {b.index: native.BucketScan(module, plan.bucket_specs(b), device)
-             for b in plan.buckets} if module is not None else {}
+    items = [(spec.name, t) for spec, t in zip(specs, tensors, strict=True)]
+    native_checks = BucketTaker(plan, 0, device, "bench")  # what the sender runs
+    python_checks = BucketTaker(plan, 0, device, "bench")
+    python_checks.scans.clear()  # its fallback: whole-list comparisons, then the pack's own
 
-    def refit_pack(checks: str) -> None:
+    def refit_pack(taker: BucketTaker) -> None:
+        it = iter(items)
         for b in plan.buckets:
-            part, ptrs = tensors[b.start : b.stop], None
-            if checks == "native":
-                ok, ptrs = scans[b.index].scan(part)
-                assert ok
+            part, ptrs = taker.take(it, b, 1)
             layouts[b.index].pack(part, ptrs)
 
     offsets, end = [], 0
@@ -181,8 +180,8 @@ def bench_pack(group: RefitGroup, count: int, numel: int,
     # On the H200 host the first few passes run slower (the host side bounds this figure)
     args = argparse.Namespace(**{**vars(args), "warmup": max(args.warmup, 3)})
     out = {
-        "pack": timed(partial(refit_pack, "native" if scans else "python"), args, device),
-        "pack_python_checks": timed(partial(refit_pack, "python"), args, device),
+        "pack": timed(partial(refit_pack, native_checks), args, device),
+        "pack_python_checks": timed(partial(refit_pack, python_checks), args, device),
         "pack_one_layout": timed(lambda: layout.pack(tensors), args, device),
         "pack_foreach": timed(foreach, args, device),
         "per_tensor_copy_loop": timed(loop, args, device),
@@ -192,6 +191,7 @@ def bench_pack(group: RefitGroup, count: int, numel: int,
         ptrs = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
         out["pack_kernel_gpu_only"] = timed(lambda: kernel.pack(ptrs), args, device)
     layouts.clear()
+    items.clear()
     tensors.clear()  # at most ~3 copies of the data at once
     src = torch.full((total,), 7, dtype=torch.uint8, device=device)  # real pages (see raw)
     out["one_big_copy"] = timed(lambda: buf[:total].copy_(src), args, device)
