@@ -149,10 +149,11 @@ def bench_pack(group: RefitGroup, count: int, numel: int,
     plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=args.bucket_bytes, num_buffers=2))
     layouts = _Endpoint(group, plan).layouts  # a refit's per-bucket layouts; nothing is sent
 
-    items = [(spec.name, t) for spec, t in zip(specs, tensors, strict=True)]
+    # fresh name strings, as a source yields them (the plan's own would compare by identity)
+    items = [(spec.name.encode().decode(), t) for spec, t in zip(specs, tensors, strict=True)]
     native_checks = BucketTaker(plan, 0, device, "bench")  # what the sender runs
-    python_checks = BucketTaker(plan, 0, device, "bench")
-    python_checks.scans.clear()  # its fallback: whole-list comparisons, then the pack's own
+    # its fallback: whole-list comparisons, then the pack's own reads
+    python_checks = BucketTaker(plan, 0, device, "bench", use_native=False)
 
     def refit_pack(taker: BucketTaker) -> None:
         it = iter(items)
@@ -189,7 +190,8 @@ def bench_pack(group: RefitGroup, count: int, numel: int,
     if layout.kernels:  # the one-launch kernel alone: source pointers prepared beforehand
         ((_, kernel),) = layout.kernels
         ptrs = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
-        out["pack_kernel_gpu_only"] = timed(lambda: kernel.pack(ptrs), args, device)
+        bits = int(np.bitwise_or.reduce(ptrs))
+        out["pack_kernel_gpu_only"] = timed(lambda: kernel.pack(ptrs, bits), args, device)
     layouts.clear()
     items.clear()
     tensors.clear()  # at most ~3 copies of the data at once

@@ -3,11 +3,16 @@
 A foreach copy of 20,000 x 0.39 MB tensors reaches ~1.25 TB/s on an H200 (each of its launches
 carries few tensors); one kernel over a pointer table copies every tensor of a bucket in one
 launch. The bucket's destinations and sizes are fixed by the plan, so the chunk table is built
-once; each pack only uploads the source pointers.
+once; each pack only uploads the source pointers, and after the first pack of a bucket that
+upload and the launch replay as one CUDA graph. Where every destination, size and source is
+16-byte aligned the kernel is told so (`VEC`) and moves 16-byte words: on an H200 that takes it
+from ~3.6 to ~4.1 TB/s (one big copy: 4.25), since sizes and addresses loaded from memory
+otherwise leave Triton assuming one-element alignment.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,6 +24,7 @@ try:
 except ImportError:  # pragma: no cover - machines without Triton use the foreach copy
     triton = None
 
+log = logging.getLogger(__name__)
 BLOCK = 4096  # copy units per program
 _UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -26,16 +32,17 @@ if triton is not None:
 
     @triton.jit
     def _copy_chunks(src_ptrs, dst, dst_offs, sizes, chunk_slot, chunk_start,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, VEC: tl.constexpr, ALIGN: tl.constexpr):
         pid = tl.program_id(0)
         slot = tl.load(chunk_slot + pid)
-        start = tl.load(chunk_start + pid)
-        n = tl.load(sizes + slot)
-        src = tl.load(src_ptrs + slot).to(dst.dtype)  # int64 address -> typed pointer
+        start = tl.multiple_of(tl.load(chunk_start + pid), BLOCK)
+        n = tl.multiple_of(tl.load(sizes + slot), VEC)  # in elements, like the offsets
+        address = tl.multiple_of(tl.load(src_ptrs + slot), ALIGN)  # in bytes
+        src = address.to(dst.dtype)  # int64 address -> typed pointer
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
         vals = tl.load(src + offs, mask=mask)
-        tl.store(dst + tl.load(dst_offs + slot) + offs, vals, mask=mask)
+        tl.store(dst + tl.multiple_of(tl.load(dst_offs + slot), VEC) + offs, vals, mask=mask)
 
 
 def kernel_available(device: torch.device) -> bool:
@@ -50,6 +57,10 @@ class KernelPack:
         self.unit = u = unit
         dev = buffer.device
         self.dst = buffer[: buffer.numel() // u * u].view(_UNIT_DTYPES[u])
+        base = buffer.data_ptr()
+        # 16-byte words where every destination and size allows (sources are checked per pack)
+        self.vec = 16 // u if all((base + o) % 16 == 0 and n % 16 == 0
+                                  for o, n in zip(offsets, nbytes, strict=True)) else 1
         sizes = [n // u for n in nbytes]
         slots = [i for i, n in enumerate(sizes) for _ in range(0, n, BLOCK)]
         starts = [s for n in sizes for s in range(0, n, BLOCK)]
@@ -62,17 +73,46 @@ class KernelPack:
         # prepare the next bucket meanwhile. `uploaded` guards the staging table's reuse.
         self.host_ptrs = torch.empty(len(sizes), dtype=torch.int64, pin_memory=True)
         self.src_ptrs = torch.empty(len(sizes), dtype=torch.int64, device=dev)
+        self.host_table = self.host_ptrs.numpy()
         self.uploaded = torch.cuda.Event()
+        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}  # per VEC, captured on first use
 
-    def pack(self, ptrs: np.ndarray) -> None:
-        """Copy from the source addresses `ptrs` (contiguous, unit-aligned, this device)."""
+    def pack(self, ptrs: np.ndarray, address_bits: int) -> None:
+        """Copy from the source addresses `ptrs` (contiguous, unit-aligned, this device);
+        `address_bits`: the bitwise or of them (its low bits give their common alignment)."""
         if not self.chunk_slot.numel():
             return
+        vec = self.vec if address_bits % 16 == 0 else 1
         self.uploaded.synchronize()  # the last upload from the staging table has been read
-        self.host_ptrs.numpy()[:] = ptrs
+        self.host_table[:] = ptrs
         with torch.cuda.device(self.dst.device):  # Triton launches on the current device
-            self.src_ptrs.copy_(self.host_ptrs, non_blocking=True)
+            if (graph := self.graphs.get(vec)) is not None:
+                graph.replay()
+            else:
+                self._upload_and_copy(vec)  # the first launch also compiles the kernel
+                if vec not in self.graphs:
+                    self.graphs[vec] = self._capture(vec)
             self.uploaded.record()
-            _copy_chunks[(self.chunk_slot.numel(),)](
-                self.src_ptrs, self.dst, self.dst_offs, self.sizes, self.chunk_slot,
-                self.chunk_start, BLOCK=BLOCK)
+
+    def _upload_and_copy(self, vec: int) -> None:
+        self.src_ptrs.copy_(self.host_ptrs, non_blocking=True)
+        _copy_chunks[(self.chunk_slot.numel(),)](
+            self.src_ptrs, self.dst, self.dst_offs, self.sizes, self.chunk_slot,
+            self.chunk_start, BLOCK=BLOCK, VEC=vec, ALIGN=vec * self.unit)
+
+    def _capture(self, vec: int) -> torch.cuda.CUDAGraph | None:
+        """The upload and the launch as one CUDA graph (it reads the staging table when it
+        runs): a replay costs ~15 us of host time where a Triton launch costs ~50 us (H200
+        host), at 30 buckets per refit. None where capture fails: launches stay eager."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):  # capture never runs on a live stream
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._upload_and_copy(vec)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as e:
+            log.warning("pack kernel: CUDA graph capture failed, launching eagerly: %s", e)
+            return None
+        return graph

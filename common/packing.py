@@ -138,11 +138,15 @@ class BucketLayout:
                     or any(map(torch.Tensor.is_conj, tensors))):
                 return False
             ptrs = np.fromiter(map(torch.Tensor.data_ptr, tensors), np.int64, len(tensors))
-        tables = [(k, ptrs if idx is None else ptrs[idx]) for idx, k in self.kernels]
-        if any(np.bitwise_or.reduce(table) & (k.unit - 1) for k, table in tables if len(table)):
-            return False  # a source not aligned to its slot's copy unit
-        for kernel, table in tables:
-            kernel.pack(table)
+        tables = []
+        for idx, kernel in self.kernels:
+            table = ptrs if idx is None else ptrs[idx]
+            bits = int(np.bitwise_or.reduce(table)) if len(table) else 0
+            if bits % kernel.unit:
+                return False  # a source not aligned to its slot's copy unit
+            tables.append((kernel, table, bits))
+        for kernel, table, bits in tables:
+            kernel.pack(table, bits)
         return True
 
     def unpack(self) -> list[tuple[str, torch.Tensor]]:

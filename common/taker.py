@@ -1,9 +1,10 @@
 """Take one bucket's tensors from a weight source and check them against the plan.
 
 The check runs per bucket, not per tensor: a Python loop over 20,000 MoE tensors costs more
-than their broadcast on NVLink. One native scan (`native.BucketScan`, which also collects the
-addresses for the pack kernel), else whole-list comparisons; only a bucket that fails them goes
-through the per-tensor path that names the first mismatch.
+than their broadcast on NVLink. One native pass over the bucket's (name, tensor) items
+(`native.BucketScan`, which also collects the addresses for the pack kernel), else whole-list
+comparisons; only a bucket that fails them goes through the per-tensor path that names the
+first mismatch.
 """
 
 from __future__ import annotations
@@ -41,16 +42,17 @@ def check_tensor(spec: TensorSpec, name: str, tensor: torch.Tensor | None) -> st
 class BucketTaker:
     """Per training rank: the expected names, dtypes and shapes of the buckets it sends."""
 
-    def __init__(self, plan: RefitPlan, rank: int, device: torch.device, who: str) -> None:
+    def __init__(self, plan: RefitPlan, rank: int, device: torch.device, who: str,
+                 use_native: bool = True) -> None:
         self.plan, self.rank, self.who = plan, rank, who
         mine = [b for b in plan.buckets if b.source_rank == rank]
-        self.expected = {
-            b.index: tuple(list(map(f, plan.bucket_specs(b))) for f in (_NAME, _DTYPE, _SHAPE))
-            for b in mine
-        }
-        module = native.load()
+        module = native.load() if use_native else None
         self.scans = {} if module is None else {
             b.index: native.BucketScan(module, plan.bucket_specs(b), device) for b in mine}
+        self.expected = {  # for the Python path
+            b.index: tuple(list(map(f, plan.bucket_specs(b))) for f in (_NAME, _DTYPE, _SHAPE))
+            for b in mine if b.index not in self.scans
+        }
 
     def take(self, it: Iterator, bucket: Bucket,
              version: int) -> tuple[list, np.ndarray | None]:
@@ -63,24 +65,25 @@ class BucketTaker:
                              f"#{bucket.start + len(items)}); the plan has {len(self.plan.specs)}")
         if self.rank != bucket.source_rank:
             return [], None  # not needed here: free them before this rank's buffer fills
-        tensors = list(map(_SECOND, items))
-        ok, ptrs = self._matches(bucket, items, tensors)
-        if not ok:
-            for i, (spec, (name, tensor)) in enumerate(zip(specs, items, strict=True)):
-                if why := check_tensor(spec, name, tensor):
-                    raise TensorMismatchError(f"{self.who}: refit v{version} bucket "
-                                              f"{bucket.index} tensor #{bucket.start + i} {why}")
-        return tensors, ptrs
+        if scan := self.scans.get(bucket.index):
+            tensors, ptrs = scan.take(items)
+            if tensors is not None:
+                return tensors, ptrs
+        elif self._same(bucket, items):
+            return list(map(_SECOND, items)), None
+        for i, (spec, (name, tensor)) in enumerate(zip(specs, items, strict=True)):
+            if why := check_tensor(spec, name, tensor):
+                raise TensorMismatchError(f"{self.who}: refit v{version} bucket "
+                                          f"{bucket.index} tensor #{bucket.start + i} {why}")
+        return list(map(_SECOND, items)), None  # a mismatch only the native scan saw
 
-    def _matches(self, bucket: Bucket, items: list,
-                 tensors: list) -> tuple[bool, np.ndarray | None]:
+    def _same(self, bucket: Bucket, items: list) -> bool:
+        """Whole-list comparisons: C-level `map`s, no Python bytecode per tensor."""
         names, dtypes, shapes = self.expected[bucket.index]
         if list(map(_FIRST, items)) != names:
-            return False, None
-        if scan := self.scans.get(bucket.index):
-            return scan.scan(tensors)
+            return False
+        tensors = list(map(_SECOND, items))
         try:
-            same = list(map(_DTYPE, tensors)) == dtypes and list(map(_SHAPE, tensors)) == shapes
-            return same, None
+            return list(map(_DTYPE, tensors)) == dtypes and list(map(_SHAPE, tensors)) == shapes
         except AttributeError:  # a None (or not-a-tensor) item: the per-tensor path names it
-            return False, None
+            return False

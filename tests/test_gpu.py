@@ -86,11 +86,39 @@ def test_one_launch_pack_kernel_is_bitwise_and_falls_back_for_misaligned_sources
     assert all(torch.equal(v, t) for (_, v), t in zip(layout.unpack(), odd, strict=True))
 
 
+def test_pack_kernel_moves_16_byte_words_only_from_16_byte_aligned_sources() -> None:
+    """Slots and sizes in 16-byte multiples let the kernel move 16-byte words; a source that is
+    only 8-byte aligned still takes the one-launch path, in 8-byte words, and is copied right,
+    by the first launch and by the replays of its CUDA graph."""
+    from common.packing import BucketLayout
+    from common.plan import TensorSpec
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tensors = [torch.randn(n, generator=g, device="cuda").to(dt)
+               for n, dt in [(4096, torch.float32), (8192, torch.bfloat16), (1000, torch.float32)]]
+    specs = [TensorSpec.of(f"t{i}", t) for i, t in enumerate(tensors)]
+    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=1 << 20))
+    (bucket,) = plan.buckets
+    buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device="cuda")
+    layout = BucketLayout(buf, specs, bucket.offsets)
+    ((_, kernel),) = layout.kernels
+    assert (kernel.unit, kernel.vec) == (8, 2)
+    for sources in (tensors, [tensors[0], tensors[1],  # 8 bytes past a 512-byte block start
+                              torch.randn(1002, generator=g, device="cuda")[2:]]):
+        assert sources[-1].data_ptr() % 16 == (0 if sources is tensors else 8)
+        for _ in range(2):  # a launch, then the replay of its CUDA graph
+            buf.zero_()
+            assert layout._pack_kernel(sources, None)
+            got = layout.unpack()
+            assert all(torch.equal(v, t) for (_, v), t in zip(got, sources, strict=True))
+    assert set(kernel.graphs) == {1, 2} and all(kernel.graphs.values())
+
+
 def test_back_to_back_packs_of_one_bucket_with_the_stream_busy() -> None:
-    """The pointer table goes up non-blocking through a pinned staging table that the next
-    pack of the same bucket rewrites: each pack must still copy its own sources. (The event
-    guard in KernelPack is what the API requires; this H200's driver also copies such small
-    uploads at enqueue time, so the test passes without the guard.)"""
+    """The pointer table goes up through a pinned staging table that the next pack of the same
+    bucket rewrites, and a replayed CUDA graph reads it only when it runs: with the stream busy,
+    each pack must still copy its own sources (the `uploaded` event guard; without it the second
+    pack's pointers reach the first pack's copy)."""
     from common.packing import BucketLayout
     from common.plan import TensorSpec
 
@@ -101,7 +129,8 @@ def test_back_to_back_packs_of_one_bucket_with_the_stream_busy() -> None:
     (bucket,) = plan.buckets
     buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device="cuda")
     layout = BucketLayout(buf, specs, bucket.offsets)
-    torch.cuda._sleep(500_000_000)  # keep the stream busy: a's upload waits behind this
+    layout.pack(b)  # the first pack launches and captures; the next ones replay
+    torch.cuda._sleep(500_000_000)  # keep the stream busy: a's replay waits behind this
     layout.pack(a)
     snapshot = buf.clone()  # stream-ordered after a's kernel
     layout.pack(b)

@@ -28,49 +28,68 @@ def tensors(device: str) -> list[torch.Tensor]:
             torch.randn(7, device=device).half()]
 
 
+def pairs(ts: list) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) items as a weight source yields them: fresh name strings."""
+    return [("t" + str(i), t) for i, t in enumerate(ts)]
+
+
+def scan_for(module, ts: list, device: torch.device) -> native.BucketScan:
+    return native.BucketScan(module, [TensorSpec.of(f"t{i}", t) for i, t in enumerate(ts)],
+                             device)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_matching_bucket_gives_every_address(module, device: str) -> None:
+def test_matching_bucket_gives_every_tensor_and_address(module, device: str) -> None:
     ts = tensors(device)
-    scan = native.BucketScan(module, [TensorSpec.of(f"t{i}", t) for i, t in enumerate(ts)],
-                             torch.device(device, 0) if device == "cuda" else torch.device(device))
-    ok, ptrs = scan.scan(ts)
-    assert ok and ptrs is not None
+    scan = scan_for(module, ts, torch.device(device, 0 if device == "cuda" else None))
+    got, ptrs = scan.take(pairs(ts))
+    assert got is not None and ptrs is not None
+    assert all(a is b for a, b in zip(got, ts, strict=True)) and len(got) == len(ts)
     assert list(ptrs) == [t.data_ptr() for t in ts]
 
 
-@pytest.mark.parametrize("drift", ["dtype", "shape", "rank", "none", "count"])
+@pytest.mark.parametrize("drift", ["dtype", "shape", "rank", "none", "count", "name", "item"])
 def test_any_drift_is_a_mismatch(module, drift: str) -> None:
     ts = tensors("cpu")
-    scan = native.BucketScan(module, [TensorSpec.of(f"t{i}", t) for i, t in enumerate(ts)],
-                             torch.device("cpu"))
-    bad = list(ts)
+    scan = scan_for(module, ts, torch.device("cpu"))
+    bad = pairs(ts)
     if drift == "dtype":
-        bad[2] = bad[2].int()  # int64 -> int32, same shape
+        bad[2] = ("t2", ts[2].int())  # int64 -> int32, same shape
     elif drift == "shape":
-        bad[0] = bad[0].reshape(3, 4)  # same numel, transposed shape
+        bad[0] = ("t0", ts[0].reshape(3, 4))  # same numel, transposed shape
     elif drift == "rank":
-        bad[4] = bad[4].reshape(7, 1)
+        bad[4] = ("t4", ts[4].reshape(7, 1))
     elif drift == "none":
-        bad[1] = None
-    else:
+        bad[1] = ("t1", None)
+    elif drift == "count":
         bad = bad[:-1]
-    assert scan.scan(bad) == (False, None)
+    elif drift == "name":
+        bad[3] = ("t3.weight", ts[3])
+    else:
+        bad[3] = ["t3", ts[3]]  # not a (name, tensor) tuple
+    assert scan.take(bad) == (None, None)
+    assert scan.take(tuple(pairs(ts))) == (None, None)  # not a list: the Python path decides
 
 
 def test_non_contiguous_or_other_device_matches_without_addresses(module) -> None:
     ts = tensors("cpu")
-    specs = [TensorSpec.of(f"t{i}", t) for i, t in enumerate(ts)]
-    scan = native.BucketScan(module, specs, torch.device("cpu"))
+    scan = scan_for(module, ts, torch.device("cpu"))
+
+    def verdict(items: list) -> tuple[bool, bool]:
+        got, ptrs = scan.take(items)
+        return got is not None, ptrs is not None
+
     strided = list(ts)
     strided[0] = torch.randn(3, 4).bfloat16().t()  # right shape and dtype, not contiguous
-    assert scan.scan(strided) == (True, None)
+    assert verdict(pairs(strided)) == (True, False)
     meta = [torch.empty_like(t, device="meta") for t in ts]  # right specs, no data
-    assert scan.scan(meta) == (True, None)
+    assert verdict(pairs(meta)) == (True, False)
     negated = [*ts[:4], torch._neg_view(ts[4])]  # lazy sign bit: its raw bytes are not the values
-    assert scan.scan(negated) == (True, None)
-    if torch.cuda.is_available():  # the plan's device is CPU: CUDA sources need no kernel
-        elsewhere = native.BucketScan(module, specs, torch.device("cuda", 0))
-        assert elsewhere.scan(ts) == (True, None)
+    assert verdict(pairs(negated)) == (True, False)
+    if torch.cuda.is_available():  # the plan's device is CUDA: CPU sources need no kernel
+        elsewhere = scan_for(module, ts, torch.device("cuda", 0))
+        got, ptrs = elsewhere.take(pairs(ts))
+        assert got is not None and ptrs is None
 
 
 def test_switched_off_by_env(monkeypatch) -> None:
