@@ -52,10 +52,14 @@ class DictWeightSource:
         ]
 
     def iter_tensors(self, plan: RefitPlan) -> Iterator[tuple[str, torch.Tensor | None]]:
-        get, dtypes = self.tensors.get, self.dtypes
-        for spec in plan.specs:
-            name = spec.name
-            tensor = get(name)
-            if dtypes and tensor is not None and name in dtypes:
-                tensor = tensor.to(dtypes[name])
-            yield name, tensor
+        """C-level `map`/`zip`: at 20,000 tensors a Python generator's ~0.2 µs per item is a
+        visible share of an NVLink refit."""
+        names = [spec.name for spec in plan.specs]
+        tensors = map(self.tensors.get, names)
+        if self.dtypes:
+            tensors = map(self._declared, names, tensors)
+        return zip(names, tensors, strict=True)
+
+    def _declared(self, name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        dtype = self.dtypes.get(name)
+        return tensor if dtype is None or tensor is None else tensor.to(dtype)

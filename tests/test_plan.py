@@ -135,3 +135,20 @@ def test_specs_from_meta_tensors_materialise_nothing() -> None:
     t = torch.empty(1 << 40, dtype=torch.bfloat16, device="meta")  # 2 TB: must stay metadata
     spec = TensorSpec.of("huge", t)
     assert spec.nbytes == 2 << 40 and spec.dtype == torch.bfloat16
+
+
+def test_dict_source_lists_declared_dtypes_and_yields_them_in_plan_order() -> None:
+    from common.source import DictWeightSource
+
+    weights = {"w": torch.randn(3, 2).bfloat16(), "router.bias": torch.randn(4).bfloat16()}
+    source = DictWeightSource(weights, dtypes={"router.bias": torch.float32}, source_rank=1)
+    specs = source.plan_specs()
+    assert [(s.name, s.dtype, s.source_rank) for s in specs] == [
+        ("w", torch.bfloat16, 1), ("router.bias", torch.float32, 1)]
+    plan = RefitPlan.build(specs[::-1], RefitConfig())  # the plan's order, not the dict's
+    got = list(source.iter_tensors(plan))
+    assert [name for name, _ in got] == ["router.bias", "w"]
+    bias = got[0][1]
+    assert bias.dtype == torch.float32 and torch.equal(bias, weights["router.bias"].float())
+    assert got[1][1] is weights["w"]  # undeclared: the tensor itself, no copy
+    assert list(DictWeightSource({}).iter_tensors(plan)) == [("router.bias", None), ("w", None)]
