@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from model_shapes import MODELS, Shapes, qwen3_shapes, scaled  # beside this script
 
 from common.broadcast import RefitReceiver, RefitSender, RefitStats, _Endpoint
 from common.config import RefitConfig
@@ -41,6 +43,7 @@ SHAPES: dict[str, dict[str, tuple[int, int]]] = {
     "cpu": {"moe": (20_000, 16_384), "dense": (64, 4 << 20)},
     "gpu": {"moe": (20_000, 196_608), "dense": (400, 16 << 20)},
 }
+DEFAULT_MODEL_SCALE = {"cpu": 0.002, "gpu": 0.5}  # --models: fits 2 cores / one H200 per rank
 METHODS = ("naive", "coalesced_1buf", "coalesced_2buf", "coalesced_3buf", "raw")
 DTYPE = torch.bfloat16
 
@@ -50,13 +53,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_specs(name: str, count: int, numel: int, trainers: int) -> list[TensorSpec]:
-    """Contiguous slices of the tensor list, one per trainer (e.g. expert-parallel shards)."""
-    return [TensorSpec(f"{name}.{i}", (numel,), DTYPE, i * trainers // count) for i in range(count)]
+def shape_lists(args: argparse.Namespace) -> dict[str, Shapes]:
+    """The two lists the run measures: "moe" and "dense", synthetic or (--models) shaped like
+    Qwen3-30B-A3B and Qwen3-8B."""
+    if args.models:
+        return {k: scaled(qwen3_shapes(c), args.scale) for k, (_, c) in MODELS.items()}
+    return {name: [(f"{name}.{i}", (numel,)) for i in range(count)]
+            for name, (count, numel) in SHAPES[args.shapes].items()}
 
 
-def make_tensors(count: int, numel: int, device: torch.device) -> list[torch.Tensor]:
-    return [torch.full((numel,), float(i % 251), dtype=DTYPE, device=device) for i in range(count)]
+def make_specs(shapes: Shapes, trainers: int) -> list[TensorSpec]:
+    """Contiguous slices of the tensor list, one per trainer (e.g. pipeline stages)."""
+    n = len(shapes)
+    return [TensorSpec(name, shape, DTYPE, i * trainers // n)
+            for i, (name, shape) in enumerate(shapes)]
+
+
+def make_tensors(specs: list[TensorSpec], device: torch.device) -> list[torch.Tensor]:
+    return [torch.full(s.shape, float(i % 251), dtype=DTYPE, device=device)
+            for i, s in enumerate(specs)]
 
 
 def timed(fn: Callable[[], object], args: argparse.Namespace, device: torch.device,
@@ -83,12 +98,12 @@ def stats_dict(stats: RefitStats | None) -> dict[str, float]:
     return {"num_buckets": stats.num_buckets, **{k: round(getattr(stats, k), 6) for k in keys}}
 
 
-def bench_shape(group: RefitGroup, name: str, count: int, numel: int,
+def bench_shape(group: RefitGroup, name: str, shapes: Shapes,
                 args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """Every method on one shape; returns this rank's times and its last refit stats."""
     dev = group.device
-    specs = make_specs(name, count, numel, group.num_trainers)
-    tensors = make_tensors(count, numel, dev)  # sources on their rank, receive targets elsewhere
+    specs = make_specs(shapes, group.num_trainers)
+    tensors = make_tensors(specs, dev)  # sources on their rank, receive targets elsewhere
     total = sum(s.nbytes for s in specs)
 
     def barrier() -> None:
@@ -138,14 +153,14 @@ def coalesced_step(end: RefitSender | RefitReceiver, source: DictWeightSource | 
         last.append(end.receive(lambda items: None))
 
 
-def bench_pack(group: RefitGroup, count: int, numel: int,
-               args: argparse.Namespace) -> dict[str, float]:
+def bench_pack(group: RefitGroup, shapes: Shapes, args: argparse.Namespace) -> dict[str, float]:
     """GB/s (bytes read + written) of packing the MoE list: bucket by bucket as a refit does
     (the sender's checks, native when built, then the pack), with the Python checks, in
     one layout, with a foreach copy and a per-tensor copy_ loop, against one big copy_."""
     device = group.device
-    tensors = make_tensors(count, numel, device)
-    specs = make_specs("pack", count, numel, 1)
+    direct = RefitConfig().direct_bytes  # such tensors are sent from their own memory: no pack
+    specs = [s for s in make_specs(shapes, 1) if s.nbytes < direct]
+    tensors = make_tensors(specs, device)
     plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=args.bucket_bytes, num_buffers=2))
     layouts = _Endpoint(group, plan).layouts  # a refit's per-bucket layouts; nothing is sent
 
@@ -207,12 +222,13 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> dic
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
-    trainers = max(1, world // 2) if args.device == "cuda" else 2
+    trainers = args.trainers or (max(1, world // 2) if args.device == "cuda" else 2)
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
                        num_trainers=trainers, timeout_s=args.timeout, device=device)
     mine: dict[str, Any] = {"rank": rank, "role": "trainer" if group.is_trainer else "receiver"}
-    for name, (count, numel) in SHAPES[args.shapes].items():
-        mine[name] = dict(zip(("times", "stats"), bench_shape(group, name, count, numel, args),
+    lists = shape_lists(args)
+    for name, shapes in lists.items():
+        mine[name] = dict(zip(("times", "stats"), bench_shape(group, name, shapes, args),
                               strict=True))
     sync(device)
     gathered = group.all_gather_bytes(json.dumps(mine).encode(), 1 << 20, "gather results")
@@ -220,21 +236,24 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> dic
         group.destroy()
         return None
     ranks = [json.loads(g.decode()) for g in gathered]
-    report = build_report(ranks, group, args)
-    count, numel = SHAPES[args.shapes]["moe"]
-    report["pack_gbps"] = bench_pack(group, count, numel, args)
+    report = build_report(ranks, group, args, lists)
+    report["pack_gbps"] = bench_pack(group, lists["moe"], args)
     group.destroy()
     return report
 
 
-def build_report(ranks: list[dict[str, Any]], group: RefitGroup,
-                 args: argparse.Namespace) -> dict[str, Any]:
+def build_report(ranks: list[dict[str, Any]], group: RefitGroup, args: argparse.Namespace,
+                 lists: dict[str, Shapes]) -> dict[str, Any]:
     """Per method: median over reps of the slowest rank's time (each rank timed itself)."""
     report: dict[str, Any] = {"shapes": {}}
-    for name, (count, numel) in SHAPES[args.shapes].items():
-        nbytes = count * numel * DTYPE.itemsize
-        shape: dict[str, Any] = {"tensors": count, "numel_per_tensor": numel, "dtype": "bfloat16",
-                                 "total_bytes": nbytes, "methods": {}}
+    for name, shapes in lists.items():
+        numels = {math.prod(s) for _, s in shapes}
+        nbytes = sum(math.prod(s) for _, s in shapes) * DTYPE.itemsize
+        shape: dict[str, Any] = {
+            "tensors": len(shapes), "dtype": "bfloat16", "total_bytes": nbytes,
+            "numel_per_tensor": numels.pop() if len(numels) == 1 else None,
+            "like": f"{MODELS[name][0]} at scale {args.scale}" if args.models else "synthetic",
+            "methods": {}}
         for m in (m for m in METHODS if m in ranks[0][name]["times"]):
             per_rep = [max(r[name]["times"][m][i] for r in ranks)
                        for i in range(len(ranks[0][name]["times"][m]))]
@@ -350,8 +369,10 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"{name:<7}{m:<16}{v['median_s'] * 1e3:>11.2f}{v['gbps']:>11.2f}"
                   f"{v['median_s'] / ms['raw']['median_s']:>10.2f}"
                   f"{ms['naive']['median_s'] / v['median_s']:>10.2f}")
-        print(f"{'':<7}({shape['tensors']} x {shape['numel_per_tensor']} bf16 = "
-              f"{shape['total_bytes'] / 1e6:.0f} MB)")
+        each = shape["numel_per_tensor"] or "mixed"
+        like = "" if shape["like"] == "synthetic" else f", like {shape['like']}"
+        print(f"{'':<7}({shape['tensors']} x {each} bf16 = "
+              f"{shape['total_bytes'] / 1e6:.0f} MB{like})")
     print("pack of the MoE list, GB/s (read+write): "
           + ", ".join(f"{k} {v:.2f}" for k, v in report["pack_gbps"].items()))
     if "note" in report:
@@ -367,6 +388,14 @@ def main() -> None:
     ap.add_argument("--naive-reps", type=int, default=None, help="timed naive runs (1 quick)")
     ap.add_argument("--timeout", type=float, default=None, help="RefitConfig.timeout_s")
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--models", action="store_true",
+                    help="lists shaped like Qwen3-30B-A3B (moe) and Qwen3-8B (dense)")
+    ap.add_argument("--scale", type=float, default=None,
+                    help="--models: first-dimension scale (0.5 on GPU, 0.002 on CPU)")
+    ap.add_argument("--world", type=int, default=None, help="ranks (GPUs; 3 on CPU)")
+    ap.add_argument("--trainers", type=int, default=None,
+                    help="training ranks, the first ones (half the world on GPU, 2 on CPU); "
+                         "1 = the minimal group (rank 0 sends everything)")
     args = ap.parse_args()
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     os.environ["OMP_NUM_THREADS"] = "1" if args.quick else os.environ.get("OMP_NUM_THREADS", "1")
@@ -378,7 +407,10 @@ def main() -> None:
     args.naive_reps = args.naive_reps or (1 if args.quick else 3)  # ~14 s per MoE rep on CPU
     args.timeout = args.timeout or (60.0 if args.quick else 300.0)
     args.deadline = 10 * args.timeout
-    world = torch.cuda.device_count() if args.device == "cuda" else 3
+    args.scale = args.scale or DEFAULT_MODEL_SCALE[args.shapes]
+    world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 3)
+    if args.trainers is not None and not 1 <= args.trainers < world:
+        ap.error(f"--trainers {args.trainers}: needs 1 <= trainers < world ({world})")
     t0 = time.perf_counter()
     report = run_ranks(world, args)
     report["wall_s"] = round(time.perf_counter() - t0, 1)
