@@ -114,6 +114,20 @@ py::tuple take(const py::list& items, const py::list& names, const at::Tensor& d
   }
   return py::make_tuple(direct ? -1 : -2, tensors);
 }
+
+// The CPU pack of a bucket whose sources `take` found contiguous on the CPU: one memcpy per
+// slot, no per-tensor dispatch (a `torch.cat` needs a flattened view of every 2-D source).
+void copy_bytes(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& nbytes) {
+  const int64_t* s = src.data_ptr<int64_t>();
+  const int64_t* d = dst.data_ptr<int64_t>();
+  const int64_t* n = nbytes.data_ptr<int64_t>();
+  const int64_t count = nbytes.numel();
+  TORCH_CHECK(src.numel() == count && dst.numel() == count, "copy_bytes: table sizes differ");
+  py::gil_scoped_release no_gil;
+  for (int64_t i = 0; i < count; ++i)
+    if (n[i] > 0)
+      std::memcpy(reinterpret_cast<void*>(d[i]), reinterpret_cast<const void*>(s[i]), n[i]);
+}
 """
 
 _module: ModuleType | None = None
@@ -133,7 +147,7 @@ def load() -> ModuleType | None:
         from torch.utils.cpp_extension import load_inline
 
         _module = load_inline("refit_native", cpp_sources=_SOURCE,
-                              functions=["scalar_type", "take"], extra_cflags=["-O2"])
+                              functions=["scalar_type", "take", "copy_bytes"], extra_cflags=["-O2"])
     except Exception as e:  # noqa: BLE001 - no compiler / ninja: the Python path still works
         log.warning("refit native checks unavailable, using the Python path: %s", e)
         return None

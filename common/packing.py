@@ -2,8 +2,9 @@
 
 Packing is batched, never a Python loop of `copy_` (on an H200 per-tensor copies of 20,000
 small tensors reach 0.06-0.13 TB/s): on CUDA with Triton one launch per copy unit over a
-pointer table (`pack_kernel`); on CPU one `torch.cat` per run of adjacent slots of one dtype;
-otherwise (and for what is left) one `torch._foreach_copy_` per dtype. A bucket's place
+pointer table (`pack_kernel`); on CPU, when the sender's native scan has the addresses, one
+C++ loop of memcpy, else one `torch.cat` per run of adjacent slots of one dtype; otherwise (and
+for what is left) one `torch._foreach_copy_` per dtype. A bucket's place
 in its buffer never changes, so its destination views and chunk tables are built once
 (`BucketLayout`) and reused by every refit: building 20,000 views per refit costs more than
 the copy itself. Per-tensor Python work on the hot path is kept to a few attribute reads.
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from common import native
 from common.pack_kernel import KernelPack, kernel_available
 from common.plan import TensorSpec
 
@@ -69,6 +71,7 @@ class BucketLayout:
                 idx, dsts = [idx[k] for k in keep], [dsts[k] for k in keep]
                 self.groups.append((None if idx == everything else idx, dsts))
         self.device_index = buffer.get_device()
+        self._cpu_table: tuple[torch.Tensor, torch.Tensor] | None = None  # copy_bytes' tables
         self._unpacked: list[tuple[str, torch.Tensor]] | None = None
 
     def _kernels(self, base: int) -> list[tuple[np.ndarray | None, KernelPack]]:
@@ -113,6 +116,14 @@ class BucketLayout:
         """Copy `tensors` (already checked against the specs) into the buffer. `ptrs`: their
         addresses, given only when every tensor is known to be contiguous on this device
         (`native.BucketScan`); otherwise they are read and checked here."""
+        if ptrs is not None and self.device_index < 0 and (module := native.load()):
+            if self._cpu_table is None:  # built on the sender's first pack; receivers never
+                base = self.buffer.data_ptr()
+                self._cpu_table = (
+                    torch.tensor([base + o for o in self.offsets], dtype=torch.int64),
+                    torch.tensor([s.nbytes for s in self.specs], dtype=torch.int64))
+            module.copy_bytes(torch.from_numpy(ptrs), *self._cpu_table)
+            return
         for lo, hi, out in self.runs:
             torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in tensors[lo:hi]], out=out)
         if not self._pack_kernel(tensors, ptrs):

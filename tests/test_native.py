@@ -97,3 +97,27 @@ def test_switched_off_by_env(monkeypatch) -> None:
     monkeypatch.setattr(native, "_module", None)
     monkeypatch.setenv("REFIT_NATIVE", "0")
     assert native.load() is None
+
+
+@pytest.mark.parametrize("alignment", [1, 4, 256])
+def test_cpu_pack_from_the_scanned_addresses_is_bitwise(module, alignment: int) -> None:
+    """On CPU the sender packs with one C++ memcpy loop over the addresses the scan collected,
+    misaligned slots (alignment 1 and 4) included."""
+    from common.config import RefitConfig
+    from common.packing import BucketLayout
+    from common.plan import RefitPlan
+
+    ts = [*tensors("cpu"), torch.randn(6, 4).t().contiguous(), torch.tensor(True),
+          torch.randint(-(2**60), 2**60, (3,))]
+    specs = [TensorSpec.of(f"t{i}", t) for i, t in enumerate(ts)]
+    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=1 << 20, alignment=alignment))
+    (bucket,) = plan.buckets
+    got, ptrs = native.BucketScan(module, specs, torch.device("cpu")).take(pairs(ts))
+    assert got is not None and ptrs is not None
+    buf = torch.full((bucket.nbytes,), 0xAB, dtype=torch.uint8)
+    layout = BucketLayout(buf, specs, bucket.offsets)
+    layout.pack(got, ptrs)
+    assert layout._cpu_table is not None  # the memcpy loop ran, not the torch.cat fallback
+    for (name, view), want in zip(layout.unpack(), ts, strict=True):
+        assert view.dtype == want.dtype and view.shape == want.shape, name
+        assert torch.equal(view.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
