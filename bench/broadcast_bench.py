@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
-import platform
 import queue
 import statistics
 import sys
@@ -28,7 +26,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from model_shapes import MODELS, Shapes, qwen3_shapes, scaled  # beside this script
+from bench_report import DTYPE, build_report, print_table  # beside this script
+from model_shapes import MODELS, Shapes, qwen3_shapes, scaled
 
 from common.broadcast import RefitReceiver, RefitSender, RefitStats, _Endpoint
 from common.config import RefitConfig
@@ -44,8 +43,6 @@ SHAPES: dict[str, dict[str, tuple[int, int]]] = {
     "gpu": {"moe": (20_000, 196_608), "dense": (400, 16 << 20)},
 }
 DEFAULT_MODEL_SCALE = {"cpu": 0.002, "gpu": 0.5}  # --models: fits 2 cores / one H200 per rank
-METHODS = ("naive", "coalesced_1buf", "coalesced_2buf", "coalesced_3buf", "raw")
-DTYPE = torch.bfloat16
 
 
 def sync(device: torch.device) -> None:
@@ -242,81 +239,6 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> dic
     return report
 
 
-def build_report(ranks: list[dict[str, Any]], group: RefitGroup, args: argparse.Namespace,
-                 lists: dict[str, Shapes]) -> dict[str, Any]:
-    """Per method: median over reps of the slowest rank's time (each rank timed itself)."""
-    report: dict[str, Any] = {"shapes": {}}
-    for name, shapes in lists.items():
-        numels = {math.prod(s) for _, s in shapes}
-        nbytes = sum(math.prod(s) for _, s in shapes) * DTYPE.itemsize
-        shape: dict[str, Any] = {
-            "tensors": len(shapes), "dtype": "bfloat16", "total_bytes": nbytes,
-            "numel_per_tensor": numels.pop() if len(numels) == 1 else None,
-            "like": f"{MODELS[name][0]} at scale {args.scale}" if args.models else "synthetic",
-            "methods": {}}
-        for m in (m for m in METHODS if m in ranks[0][name]["times"]):
-            per_rep = [max(r[name]["times"][m][i] for r in ranks)
-                       for i in range(len(ranks[0][name]["times"][m]))]
-            med = statistics.median(per_rep)
-            shape["methods"][m] = {
-                "median_s": round(med, 6), "gbps": round(nbytes / med / 1e9, 3),
-                "reps_s": [round(t, 6) for t in per_rep],
-                "per_rank_median_s": [round(statistics.median(r[name]["times"][m]), 6)
-                                      for r in ranks],
-            }
-        shape["refit_stats"] = {f"rank{r['rank']}_{r['role']}": r[name]["stats"] for r in ranks}
-        report["shapes"][name] = shape
-    t = {n: {m: v["median_s"] for m, v in s["methods"].items()}
-         for n, s in report["shapes"].items()}
-    report["moe_coalesced_speedup_vs_naive"] = round(
-        t["moe"]["naive"] / t["moe"]["coalesced_2buf"], 3)
-    report["moe_double_buffer_time_over_raw"] = round(
-        t["moe"]["coalesced_2buf"] / t["moe"]["raw"], 3)
-    report["dense_double_buffer_time_over_raw"] = round(
-        t["dense"]["coalesced_2buf"] / t["dense"]["raw"], 3)
-    for n in t:
-        # refit bytes/s over raw broadcast bytes/s (the multi-GPU issue's figure)
-        report[f"{n}_double_buffer_fraction_of_ceiling"] = round(
-            t[n]["raw"] / t[n]["coalesced_2buf"], 3)
-        report[f"{n}_single_buffer_time_over_raw"] = round(
-            t[n]["coalesced_1buf"] / t[n]["raw"], 3)
-        if "coalesced_3buf" in t[n]:
-            report[f"{n}_triple_buffer_time_over_raw"] = round(
-                t[n]["coalesced_3buf"] / t[n]["raw"], 3)
-    report["hardware"] = {
-        "cpu_model": cpu_model(), "cpu_cores": os.cpu_count(), "machine": platform.machine(),
-        "gpu_name": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-        "gpu_count": torch.cuda.device_count() if args.device == "cuda" else 0,
-        "torch": torch.__version__, "backend": group.backend, "world_size": group.world_size,
-        "num_trainers": group.num_trainers,
-        "loadavg_1m_at_end": round(os.getloadavg()[0], 2),  # > cores: others share the box
-    }
-    report["settings"] = {
-        "mode": "quick" if args.quick else "full", "bucket_bytes": args.bucket_bytes,
-        "warmup": args.warmup, "reps": args.reps, "naive_reps": args.naive_reps,
-        "timeout_s": args.timeout, "alignment": 256,
-        "timing": "each rank times itself from a barrier; per rep the slowest rank; median",
-        "gbps": "payload bytes once (not counting fan-out) / time; pack: 2x bytes / time",
-        "sources": "tensor list cut in contiguous slices, one per trainer; raw from rank 0",
-        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NCCL_NVLS_ENABLE")},
-    }
-    if args.device == "cuda" and group.world_size == 1:
-        report["note"] = ("world size 1: a 1-GPU NCCL broadcast is a local no-op, so only "
-                          "packing/stream/launch overhead is measured, not transfer speed")
-    return report
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _child(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) -> None:
     try:
         q.put((rank, "ok", rank_main(rank, world, port, args)))
@@ -354,29 +276,6 @@ def run_ranks(world: int, args: argparse.Namespace) -> dict[str, Any]:
                          + (f"\nranks {missing} gave no result (died or timed out)" if missing
                             else ""))
     return results[0][1]
-
-
-def print_table(report: dict[str, Any]) -> None:
-    hw = report["hardware"]
-    print(f"refit broadcast bench: {hw['backend']} world {hw['world_size']} "
-          f"({hw['num_trainers']} trainers), torch {hw['torch']}, "
-          f"{hw['gpu_name'] or hw['cpu_model']}, "
-          f"bucket {report['settings']['bucket_bytes'] >> 20} MiB")
-    print(f"{'shape':<7}{'method':<16}{'median ms':>11}{'GB/s':>11}{'x raw':>10}{'x naive':>10}")
-    for name, shape in report["shapes"].items():
-        ms = shape["methods"]
-        for m, v in ms.items():
-            print(f"{name:<7}{m:<16}{v['median_s'] * 1e3:>11.2f}{v['gbps']:>11.2f}"
-                  f"{v['median_s'] / ms['raw']['median_s']:>10.2f}"
-                  f"{ms['naive']['median_s'] / v['median_s']:>10.2f}")
-        each = shape["numel_per_tensor"] or "mixed"
-        like = "" if shape["like"] == "synthetic" else f", like {shape['like']}"
-        print(f"{'':<7}({shape['tensors']} x {each} bf16 = "
-              f"{shape['total_bytes'] / 1e6:.0f} MB{like})")
-    print("pack of the MoE list, GB/s (read+write): "
-          + ", ".join(f"{k} {v:.2f}" for k, v in report["pack_gbps"].items()))
-    if "note" in report:
-        print("note:", report["note"])
 
 
 def main() -> None:
