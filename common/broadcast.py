@@ -149,7 +149,10 @@ class _Endpoint:
     def finish(self, stats: RefitStats, error: BaseException | None, t0: float) -> RefitStats:
         """Exchange every rank's status; raise on every rank if any rank failed."""
         if self.group.device.type == "cuda":
-            torch.cuda.synchronize(self.group.device)
+            # This rank's own work on its stream (packs, header copies, the loader's copies);
+            # the collectives were waited. Not the whole device: the training job's other
+            # streams, or an aborted communicator's, are not the refit's to wait for.
+            torch.cuda.current_stream(self.group.device).synchronize()
         mine = "" if error is None else f"{type(error).__name__}: {error}"
         statuses = self.group.all_gather_bytes(mine.encode(), _STATUS_BYTES,
                                                f"refit v{stats.version} status")
