@@ -1,0 +1,108 @@
+"""Every multi-GPU refit measurement in one command, into one JSON (a multi-GPU lend is short).
+
+    python3 bench/multi_gpu.py --out bench/results/multi_gpu_<kind>.json
+
+Runs, one after another, each in its own processes (one rank per GPU, NCCL):
+  1. `broadcast_bench.py`: the fixed synthetic MoE / dense lists (naive, coalesced 1/2/3
+     buffers, one raw broadcast as the ceiling, pack throughput);
+  2. `broadcast_bench.py --models`: lists shaped like Qwen3-30B-A3B and Qwen3-8B, full group
+     (half the GPUs train, each sending its contiguous share, like pipeline stages);
+  3. the same with `--trainers 1` (the minimal group: rank 0 sends everything), 3+ GPUs only;
+  4. the NCCL tests: a 100-refit soak with training-group gathers interleaved with the refit
+     broadcasts, and a receiver killed mid-refit (`tests/test_multi_rank_soak.py`).
+The headline keys are the Qwen3-30B-A3B-shaped run's. `--quick` checks the runner on CPU
+(gloo, small lists, no NCCL tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+HEADLINE = ("moe_double_buffer_fraction_of_ceiling", "moe_coalesced_speedup_vs_naive",
+            "moe_double_buffer_time_over_raw", "dense_double_buffer_fraction_of_ceiling")
+
+
+def env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, **NO_MULTICAST, "PYTHONPATH": path}
+
+
+def bench(name: str, extra: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """One broadcast_bench run; its report, or what went wrong."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "report.json")
+        cmd = [sys.executable, os.path.join(HERE, "broadcast_bench.py"), "--out", out, *extra]
+        if args.quick:
+            cmd.append("--quick")
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, env=env(), capture_output=True, text=True,
+                              timeout=args.step_timeout)
+        print(f"[{name}] rc {done.returncode} in {time.perf_counter() - t0:.0f}s: "
+              f"{' '.join(cmd[1:])}", flush=True)
+        if done.returncode != 0:
+            return {"error": f"rc {done.returncode}", "tail": done.stdout[-2000:]
+                    + done.stderr[-4000:]}
+        print("\n".join(done.stdout.splitlines()[:-1]), flush=True)  # the table
+        with open(out) as f:
+            return json.load(f)
+
+
+def nccl_tests(args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+           "tests/test_multi_rank_soak.py", "-k", "nccl"]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=args.step_timeout)
+    lines = done.stdout.strip().splitlines()
+    print(f"[nccl tests] rc {done.returncode} in {time.perf_counter() - t0:.0f}s: "
+          f"{lines[-1] if lines else done.stderr[-500:]}", flush=True)
+    return {"rc": done.returncode, "summary": lines[-1] if lines else "",
+            "tail": "\n".join(lines[-40:])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="where the combined JSON goes")
+    ap.add_argument("--quick", action="store_true", help="check the runner on CPU (gloo)")
+    ap.add_argument("--step-timeout", type=float, default=1800, help="seconds per step")
+    args = ap.parse_args()
+    gpus = 0 if args.quick else torch.cuda.device_count()
+    if not args.quick and gpus < 2:
+        raise SystemExit(f"needs 2+ GPUs of one host ({gpus} visible); --quick checks on CPU")
+    t0 = time.perf_counter()
+    runs = {"synthetic": bench("synthetic", [], args),
+            "models_full_group": bench("models, full group", ["--models"], args)}
+    if args.quick or gpus >= 3:
+        runs["models_minimal_group"] = bench("models, minimal group",
+                                             ["--models", "--trainers", "1"], args)
+    report: dict[str, Any] = {"gpus": gpus, "runs": runs}
+    headline = runs["models_full_group"]
+    report.update({k: headline.get(k) for k in HEADLINE})
+    report["moe_like"] = headline.get("shapes", {}).get("moe", {}).get("like")
+    if not args.quick:
+        report["nccl_tests"] = nccl_tests(args)
+    report["wall_s"] = round(time.perf_counter() - t0, 1)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: report[k] for k in (*HEADLINE, "moe_like", "wall_s")}))
+    failed = [k for k, v in runs.items() if "error" in v]
+    if failed or report.get("nccl_tests", {}).get("rc", 0) not in (0, 5):
+        raise SystemExit(f"failed: {failed or 'nccl tests'} (details in {args.out})")
+
+
+if __name__ == "__main__":
+    main()
