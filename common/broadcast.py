@@ -176,6 +176,9 @@ class RefitSender(_Endpoint):
     def __init__(self, group: RefitGroup, plan: RefitPlan) -> None:
         super().__init__(group, plan)
         self.taker = BucketTaker(plan, group.rank, group.device, group.who)
+        for bucket in plan.buckets:  # the first refit then runs at the speed of the others
+            if bucket.source_rank == group.rank and not bucket.direct:
+                self.layouts[bucket.index].warm()
 
     @classmethod
     def setup(cls, group: RefitGroup, plan: RefitPlan) -> RefitSender:

@@ -160,6 +160,12 @@ class BucketLayout:
             kernel.pack(table, bits)
         return True
 
+    def warm(self) -> None:
+        """Compile and capture this bucket's pack kernels (CUDA) before the first refit needs
+        them: ~1 s of Triton compiling and graph capture otherwise lands in that refit."""
+        for _, kernel in self.kernels:
+            kernel.warm()
+
     def unpack(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) per spec; views alias the buffer and are valid until it is reused."""
         if not self.misaligned:

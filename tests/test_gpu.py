@@ -114,6 +114,23 @@ def test_pack_kernel_moves_16_byte_words_only_from_16_byte_aligned_sources() -> 
     assert set(kernel.graphs) == {1, 2} and all(kernel.graphs.values())
 
 
+def test_warm_compiles_and_captures_without_changing_the_buffer() -> None:
+    """The sender warms each bucket's kernels at setup by copying every slot onto itself: the
+    buffer's bytes stay as they were and the graph is ready for the first refit."""
+    from common.packing import BucketLayout
+    from common.plan import TensorSpec
+
+    specs = [TensorSpec(f"t{i}", (n,), torch.bfloat16) for i, n in enumerate([4096, 77, 8192])]
+    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=1 << 20))
+    (bucket,) = plan.buckets
+    buf = torch.randint(0, 256, (bucket.nbytes,), dtype=torch.uint8, device="cuda")
+    before = buf.clone()
+    layout = BucketLayout(buf, specs, bucket.offsets)
+    layout.warm()
+    assert torch.equal(buf, before)
+    assert all(k.graphs.get(k.vec) is not None for _, k in layout.kernels)
+
+
 def test_back_to_back_packs_of_one_bucket_with_the_stream_busy() -> None:
     """The pointer table goes up through a pinned staging table that the next pack of the same
     bucket rewrites, and a replayed CUDA graph reads it only when it runs: with the stream busy,
