@@ -14,7 +14,8 @@ from model_shapes import MODELS, Shapes
 
 from common.group import RefitGroup
 
-METHODS = ("naive", "coalesced_1buf", "coalesced_2buf", "coalesced_3buf", "raw")
+METHODS = ("naive", "coalesced_1buf", "coalesced_2buf", "coalesced_3buf", "forwarded_2buf",
+           "raw")
 DTYPE = torch.bfloat16
 
 
@@ -56,6 +57,9 @@ def build_report(ranks: list[dict[str, Any]], group: RefitGroup, args: argparse.
             t[n]["raw"] / t[n]["coalesced_2buf"], 3)
         report[f"{n}_single_buffer_time_over_raw"] = round(
             t[n]["coalesced_1buf"] / t[n]["raw"], 3)
+        if "forwarded_2buf" in t[n]:  # rank 0 the only source vs every owner feeding the group
+            report[f"{n}_forwarded_time_over_owner_fed"] = round(
+                t[n]["forwarded_2buf"] / t[n]["coalesced_2buf"], 3)
         if "coalesced_3buf" in t[n]:
             report[f"{n}_triple_buffer_time_over_raw"] = round(
                 t[n]["coalesced_3buf"] / t[n]["raw"], 3)

@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from bench_report import DTYPE, build_report, print_table  # beside this script
+from forward_source import ForwardingSource
 from model_shapes import MODELS, Shapes, qwen3_shapes, scaled
 
 from common.broadcast import RefitReceiver, RefitSender, RefitStats, _Endpoint
@@ -34,7 +36,7 @@ from common.config import RefitConfig
 from common.group import RefitGroup, free_port
 from common.packing import BucketLayout, byte_view
 from common.plan import RefitPlan, TensorSpec, align_up
-from common.source import DictWeightSource
+from common.source import DictWeightSource, WeightSource
 from common.taker import BucketTaker
 
 # shape -> (tensor count, elements per bf16 tensor)
@@ -132,6 +134,9 @@ def bench_shape(group: RefitGroup, name: str, shapes: Shapes,
         stats[f"coalesced_{nb}buf"] = {**stats_dict(last[-1]), "buckets": len(plan.buckets),
                                        "buffer_bytes": plan.buffer_bytes}
         del end  # free the bucket buffers before the next method
+    if args.forward and group.num_trainers > 1:
+        times["forwarded_2buf"], stats["forwarded_2buf"] = bench_forwarded(
+            group, specs, tensors, args, barrier)
     # Real bytes: on CPU a never-written buffer reads as the kernel's shared zero page, which
     # made the raw send ~25% cheaper than sending any real weights.
     raw = torch.full((total,), 7, dtype=torch.uint8, device=dev)
@@ -140,7 +145,28 @@ def bench_shape(group: RefitGroup, name: str, shapes: Shapes,
     return times, stats
 
 
-def coalesced_step(end: RefitSender | RefitReceiver, source: DictWeightSource | None,
+def bench_forwarded(group: RefitGroup, specs: list[TensorSpec], tensors: list[torch.Tensor],
+                    args: argparse.Namespace,
+                    barrier: Callable[[], None]) -> tuple[list[float], dict[str, Any]]:
+    """2 buffers, rank 0 the only source: the other owners' tensors reach it first over the
+    training ranks' own group (`ForwardingSource`), instead of each owner feeding the group."""
+    config = RefitConfig(bucket_bytes=args.bucket_bytes, num_buffers=2, timeout_s=args.timeout)
+    owner = {s.name: s.source_rank for s in specs}
+    source = None
+    if group.is_trainer:
+        mine = {s.name: t for s, t in zip(specs, tensors, strict=True)
+                if s.source_rank == group.rank}
+        source = ForwardingSource(mine, owner, specs, group.rank, group.device)
+        plan = RefitPlan.build(source.plan_specs(), config)
+        end: RefitSender | RefitReceiver = RefitSender.setup(group, plan)
+    else:
+        end = RefitReceiver.setup(group)
+    last: list[RefitStats] = []
+    times = timed(partial(coalesced_step, end, source, last), args, group.device, barrier)
+    return times, {**stats_dict(last[-1]), "buckets": len(end.plan.buckets)}
+
+
+def coalesced_step(end: RefitSender | RefitReceiver, source: WeightSource | None,
                    last: list[RefitStats]) -> None:
     """One refit; the receiver's callback touches nothing (it gets views into the buffer)."""
     if isinstance(end, RefitSender):
@@ -220,22 +246,36 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> dic
         torch.set_num_threads(1)
         device = torch.device("cpu")
     trainers = args.trainers or (max(1, world // 2) if args.device == "cuda" else 2)
+    if args.forward and rank < trainers:  # the training ranks' own group, as torchrun makes it
+        dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.train_port}",
+                                rank=rank, world_size=trainers,
+                                device_id=device if args.device == "cuda" else None)
+        dist.barrier()  # every rank's communicator exists before any point-to-point
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
                        num_trainers=trainers, timeout_s=args.timeout, device=device)
-    mine: dict[str, Any] = {"rank": rank, "role": "trainer" if group.is_trainer else "receiver"}
+    try:
+        return measure(group, args)
+    finally:
+        group.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure(group: RefitGroup, args: argparse.Namespace) -> dict[str, Any] | None:
+    """Every shape on every rank; rank 0 gathers the times and returns the report."""
+    mine: dict[str, Any] = {"rank": group.rank,
+                            "role": "trainer" if group.is_trainer else "receiver"}
     lists = shape_lists(args)
     for name, shapes in lists.items():
         mine[name] = dict(zip(("times", "stats"), bench_shape(group, name, shapes, args),
                               strict=True))
-    sync(device)
+    sync(group.device)
     gathered = group.all_gather_bytes(json.dumps(mine).encode(), 1 << 20, "gather results")
-    if rank != 0:
-        group.destroy()
+    if group.rank != 0:
         return None
     ranks = [json.loads(g.decode()) for g in gathered]
     report = build_report(ranks, group, args, lists)
     report["pack_gbps"] = bench_pack(group, lists["moe"], args)
-    group.destroy()
     return report
 
 
@@ -291,6 +331,8 @@ def main() -> None:
                     help="lists shaped like Qwen3-30B-A3B (moe) and Qwen3-8B (dense)")
     ap.add_argument("--scale", type=float, default=None,
                     help="--models: first-dimension scale (0.5 on GPU, 0.002 on CPU)")
+    ap.add_argument("--forward", action="store_true",
+                    help="also: rank 0 the only source, other owners' tensors forwarded to it")
     ap.add_argument("--world", type=int, default=None, help="ranks (GPUs; 3 on CPU)")
     ap.add_argument("--trainers", type=int, default=None,
                     help="training ranks, the first ones (half the world on GPU, 2 on CPU); "
@@ -307,6 +349,7 @@ def main() -> None:
     args.timeout = args.timeout or (60.0 if args.quick else 300.0)
     args.deadline = 10 * args.timeout
     args.scale = args.scale or DEFAULT_MODEL_SCALE[args.shapes]
+    args.backend, args.train_port = ("nccl" if args.device == "cuda" else "gloo"), free_port()
     world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 3)
     if args.trainers is not None and not 1 <= args.trainers < world:
         ap.error(f"--trainers {args.trainers}: needs 1 <= trainers < world ({world})")

@@ -5,8 +5,9 @@
 Runs, one after another, each in its own processes (one rank per GPU, NCCL):
   1. `broadcast_bench.py`: the fixed synthetic MoE / dense lists (naive, coalesced 1/2/3
      buffers, one raw broadcast as the ceiling, pack throughput);
-  2. `broadcast_bench.py --models`: lists shaped like Qwen3-30B-A3B and Qwen3-8B, full group
-     (half the GPUs train, each sending its contiguous share, like pipeline stages);
+  2. `broadcast_bench.py --models --forward`: lists shaped like Qwen3-30B-A3B and Qwen3-8B, full
+     group (half the GPUs train, each sending its contiguous share, like pipeline stages), and,
+     with 2+ training ranks, the same with every share forwarded to rank 0 first;
   3. the same with `--trainers 1` (the minimal group: rank 0 sends everything), 3+ GPUs only;
   4. the NCCL tests: a 100-refit soak with training-group gathers interleaved with the refit
      broadcasts, and a receiver killed mid-refit (`tests/test_multi_rank_soak.py`).
@@ -32,7 +33,8 @@ ROOT = os.path.dirname(HERE)
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 HEADLINE = ("moe_double_buffer_fraction_of_ceiling", "moe_coalesced_speedup_vs_naive",
-            "moe_double_buffer_time_over_raw", "dense_double_buffer_fraction_of_ceiling")
+            "moe_double_buffer_time_over_raw", "dense_double_buffer_fraction_of_ceiling",
+            "moe_forwarded_time_over_owner_fed")
 
 
 def env() -> dict[str, str]:
@@ -84,7 +86,7 @@ def main() -> None:
         raise SystemExit(f"needs 2+ GPUs of one host ({gpus} visible); --quick checks on CPU")
     t0 = time.perf_counter()
     runs = {"synthetic": bench("synthetic", [], args),
-            "models_full_group": bench("models, full group", ["--models"], args)}
+            "models_full_group": bench("models, full group", ["--models", "--forward"], args)}
     if args.quick or gpus >= 3:
         runs["models_minimal_group"] = bench("models, minimal group",
                                              ["--models", "--trainers", "1"], args)
