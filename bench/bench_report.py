@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from model_shapes import MODELS, Shapes
 
+from common import native
 from common.group import RefitGroup
 
 METHODS = ("naive", "coalesced_1buf", "coalesced_2buf", "coalesced_3buf", "forwarded_2buf",
@@ -69,6 +70,7 @@ def build_report(ranks: list[dict[str, Any]], group: RefitGroup, args: argparse.
         "gpu_count": torch.cuda.device_count() if args.device == "cuda" else 0,
         "torch": torch.__version__, "backend": group.backend, "world_size": group.world_size,
         "num_trainers": group.num_trainers,
+        "native_checks": native.load() is not None,  # else the sender's slower Python path
         "loadavg_1m_at_end": round(os.getloadavg()[0], 2),  # > cores: others share the box
     }
     report["settings"] = {

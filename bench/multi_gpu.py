@@ -11,7 +11,9 @@ Runs, one after another, each in its own processes (one rank per GPU, NCCL):
   3. the same with `--trainers 1` (the minimal group: rank 0 sends everything), 3+ GPUs only;
   4. the NCCL tests: a 100-refit soak with training-group gathers interleaved with the refit
      broadcasts, and a receiver killed mid-refit (`tests/test_multi_rank_soak.py`).
-The headline keys are the Qwen3-30B-A3B-shaped run's. `--quick` checks the runner on CPU
+The headline keys are the Qwen3-30B-A3B-shaped run's. The sender's native checks need a C++
+compiler and ninja on PATH (each report's `hardware.native_checks` says whether they ran); on
+the H200 machines carry a ninja wheel and `pip install` it first. `--quick` checks the runner on CPU
 (gloo, small lists, no NCCL tests).
 """
 
