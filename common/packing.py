@@ -4,10 +4,10 @@ Packing is batched, never a Python loop of `copy_` (on an H200 per-tensor copies
 small tensors reach 0.06-0.13 TB/s): on CUDA with Triton one launch per copy unit over a
 pointer table (`pack_kernel`); on CPU, when the sender's native scan has the addresses, one
 C++ loop of memcpy, else one `torch.cat` per run of adjacent slots of one dtype; otherwise (and
-for what is left) one `torch._foreach_copy_` per dtype. A bucket's place
-in its buffer never changes, so its destination views and chunk tables are built once
-(`BucketLayout`) and reused by every refit: building 20,000 views per refit costs more than
-the copy itself. Per-tensor Python work on the hot path is kept to a few attribute reads.
+for what is left) one `torch._foreach_copy_` per dtype. A bucket's place in its buffer never
+changes, so its destination views and chunk tables are built once (`BucketLayout`) and reused
+by every refit: building 20,000 views per refit costs more than the copy itself. Per-tensor
+Python work on the hot path is kept to a few attribute reads.
 """
 
 from __future__ import annotations
