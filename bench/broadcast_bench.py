@@ -279,18 +279,25 @@ def measure(group: RefitGroup, args: argparse.Namespace) -> dict[str, Any] | Non
     return report
 
 
-def _child(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) -> None:
+RankMain = Callable[[int, int, int, argparse.Namespace], Any]
+
+
+def _child(rank: int, world: int, port: int, args: argparse.Namespace, q: Any,
+           main: RankMain) -> None:
     try:
-        q.put((rank, "ok", rank_main(rank, world, port, args)))
+        q.put((rank, "ok", main(rank, world, port, args)))
     except BaseException:  # noqa: BLE001 - reported by the parent
         q.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(world: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_ranks(world: int, args: argparse.Namespace, main: RankMain | None = None) -> Any:
+    """`main(rank, world, port, args)` on `world` spawned processes; rank 0's result (every
+    rank's error, or which ranks gave none, fails the run). Default: this benchmark's ranks."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, args, q)) for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(r, world, port, args, q, main or rank_main))
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, tuple[str, Any]] = {}

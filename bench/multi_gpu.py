@@ -9,17 +9,20 @@ Runs, one after another, each in its own processes (one rank per GPU, NCCL):
      group (half the GPUs train, each sending its contiguous share, like pipeline stages), and,
      with 2+ training ranks, the same with every share forwarded to rank 0 first;
   3. the same with `--trainers 1` (the minimal group: rank 0 sends everything), 3+ GPUs only;
-  4. the NCCL tests: a 100-refit soak with training-group gathers interleaved with the refit
+  4. with megatron-core importable, 3+ GPUs: `mcore_refit_bench.py`, Megatron TP2 (dense) and
+     EP2 (MoE) training ranks gathering while the other GPUs receive;
+  5. the NCCL tests: a 100-refit soak with training-group gathers interleaved with the refit
      broadcasts, and a receiver killed mid-refit (`tests/test_multi_rank_soak.py`).
 The headline keys are the Qwen3-30B-A3B-shaped run's. The sender's native checks need a C++
-compiler and ninja on PATH (each report's `hardware.native_checks` says whether they ran); on
-the H200 machines carry a ninja wheel and `pip install` it first. `--quick` checks the runner on CPU
-(gloo, small lists, no NCCL tests).
+compiler and ninja on PATH (each report's `hardware.native_checks` says whether they ran): on
+the H200 machines carry the ninja and megatron-core wheels (`.whl/`) and `pip install` them
+first. `--quick` checks the runner on CPU (gloo, small lists, no NCCL tests).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -44,11 +47,12 @@ def env() -> dict[str, str]:
     return {**os.environ, **NO_MULTICAST, "PYTHONPATH": path}
 
 
-def bench(name: str, extra: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """One broadcast_bench run; its report, or what went wrong."""
+def bench(name: str, extra: list[str], args: argparse.Namespace,
+          script: str = "broadcast_bench.py") -> dict[str, Any]:
+    """One benchmark run; its report, or what went wrong."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "report.json")
-        cmd = [sys.executable, os.path.join(HERE, "broadcast_bench.py"), "--out", out, *extra]
+        cmd = [sys.executable, os.path.join(HERE, script), "--out", out, *extra]
         if args.quick:
             cmd.append("--quick")
         t0 = time.perf_counter()
@@ -59,7 +63,7 @@ def bench(name: str, extra: list[str], args: argparse.Namespace) -> dict[str, An
         if done.returncode != 0:
             return {"error": f"rc {done.returncode}", "tail": done.stdout[-2000:]
                     + done.stderr[-4000:]}
-        print("\n".join(done.stdout.splitlines()[:-1]), flush=True)  # the table
+        print("\n".join(done.stdout.splitlines()[:-1]), flush=True)  # a table, if any
         with open(out) as f:
             return json.load(f)
 
@@ -92,6 +96,11 @@ def main() -> None:
     if args.quick or gpus >= 3:
         runs["models_minimal_group"] = bench("models, minimal group",
                                              ["--models", "--trainers", "1"], args)
+        if importlib.util.find_spec("megatron") is not None:  # the megatron-core wheel
+            for label, layout in (("megatron_tp2", ["--tp", "2"]),
+                                  ("megatron_moe_ep2", ["--moe", "--ep", "2", "--tp", "1"])):
+                runs[label] = bench(label, [*layout, "--receivers", str(max(1, gpus - 2))],
+                                    args, "mcore_refit_bench.py")
     report: dict[str, Any] = {"gpus": gpus, "runs": runs}
     headline = runs["models_full_group"]
     report.update({k: headline.get(k) for k in HEADLINE})
