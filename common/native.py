@@ -5,17 +5,21 @@ contiguity, address: ~1 µs on an H200 host) takes longer than NVLink needs to m
 `BucketScan.take` checks a whole bucket's (name, tensor) items in one call that borrows every
 reference (~70 ns per tensor there) and collects the addresses for the pack kernel. The
 extension is built once per machine by torch's JIT loader (a C++ compiler and ninja; cached
-under TORCH_EXTENSIONS_DIR, rebuilt when this source changes); when it cannot be built, the
-Python path is used and one warning says why. `REFIT_NATIVE=0` turns it off.
+under TORCH_EXTENSIONS_DIR per ninja, Python and torch, rebuilt when this source changes);
+when it cannot be built, the Python path is used and one warning says why. `REFIT_NATIVE=0`
+turns it off.
 `python -m common.native` builds it ahead of time (e.g. in a container image): the first
 build takes ~25 s, which otherwise falls into the first `RefitSender.setup`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
+import shutil
+import sys
 import time
 from collections.abc import Sequence
 from types import ModuleType
@@ -134,6 +138,19 @@ _module: ModuleType | None = None
 _tried = False
 
 
+def _build_directory() -> str:
+    """One build per (ninja, Python, torch): two ninja versions on one machine (a venv's and
+    the system's, picked by PATH) cannot read each other's build logs, so sharing a directory
+    made every switch a full ~25 s rebuild, inside `RefitSender.setup` while peers wait."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    key = f"{shutil.which('ninja')}|{sys.version}|{torch.__version__}"
+    path = os.path.join(root, f"refit_native_{hashlib.sha1(key.encode()).hexdigest()[:12]}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def load() -> ModuleType | None:
     """The compiled extension, built on first use; None when off or not buildable here."""
     global _module, _tried
@@ -147,7 +164,8 @@ def load() -> ModuleType | None:
         from torch.utils.cpp_extension import load_inline
 
         _module = load_inline("refit_native", cpp_sources=_SOURCE,
-                              functions=["scalar_type", "take", "copy_bytes"], extra_cflags=["-O2"])
+                              functions=["scalar_type", "take", "copy_bytes"],
+                              extra_cflags=["-O2"], build_directory=_build_directory())
     except Exception as e:  # noqa: BLE001 - no compiler / ninja: the Python path still works
         log.warning("refit native checks unavailable, using the Python path: %s", e)
         return None
