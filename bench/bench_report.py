@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -120,3 +121,12 @@ def print_table(report: dict[str, Any]) -> None:
           + ", ".join(f"{k} {v:.2f}" for k, v in report["pack_gbps"].items()))
     if "note" in report:
         print("note:", report["note"])
+
+
+def emit(report: dict[str, Any], out: str | None) -> None:
+    """The report as JSON: indented into `out` (if given), one line as stdout's last line."""
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, separators=(",", ":")), flush=True)

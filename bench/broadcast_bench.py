@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from bench_report import DTYPE, build_report, print_table  # beside this script
+from bench_report import DTYPE, build_report, emit, print_table  # beside this script
 from forward_source import ForwardingSource
 from model_shapes import MODELS, Shapes, qwen3_shapes, scaled
 
@@ -364,13 +364,8 @@ def main() -> None:
     report = run_ranks(world, args)
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     print_table(report)
-    line = json.dumps(report, separators=(",", ":"))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(json.dumps(report, indent=1) + "\n")
     sys.stdout.flush()
-    print(line)
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -12,34 +12,21 @@ the conversion's own cost. Also times a world-size-1 NCCL refit of the whole mod
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-
-VOCAB = 32768
+from bench_report import emit
+from mcore_refit_bench import GPU_VOCAB, gpu_model
 
 
 def build(moe: bool) -> torch.nn.Module:
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """mcore_refit_bench's GPU model on one rank (TP1 x PP1)."""
+    from recipes.mcore_models import Layout
 
-    kw = dict(num_layers=8, hidden_size=2048, num_attention_heads=16, num_query_groups=4,
-              kv_channels=128, ffn_hidden_size=6144, normalization="RMSNorm",
-              gated_linear_unit=True, add_bias_linear=False, qk_layernorm=True,
-              activation_func=torch.nn.functional.silu, params_dtype=torch.bfloat16, bf16=True,
-              hidden_dropout=0.0, attention_dropout=0.0)
-    if moe:
-        kw.update(num_moe_experts=64, moe_router_topk=4, moe_ffn_hidden_size=768,
-                  moe_token_dispatcher_type="allgather")
-    spec = get_gpt_layer_local_spec(num_experts=64 if moe else None, qk_layernorm=True,
-                                    normalization="RMSNorm")
-    return GPTModel(TransformerConfig(**kw), spec, vocab_size=VOCAB,
-                    max_sequence_length=512, position_embedding_type="rope").cuda()
+    return gpu_model(Layout(tp=1, pp=1, ep=1, moe=moe))[0]
 
 
 def timed(fn, reps: int = 5) -> float:
@@ -62,7 +49,7 @@ def bench(moe: bool, group) -> dict:
 
     model = build(moe)
     source = MegatronWeightSource([model], converter_for("qwen3_moe" if moe else "qwen3"),
-                                  vocab_size=VOCAB, dtype=torch.bfloat16)
+                                  vocab_size=GPU_VOCAB, dtype=torch.bfloat16)
     plan = RefitPlan.build(source.plan_specs(), RefitConfig(bucket_bytes=256 << 20))
     nbytes = plan.total_bytes
 
@@ -110,11 +97,7 @@ def main() -> None:
         print(f"{k:5s} {r['tensors']:5d} tensors {r['bytes'] / 1e9:6.2f} GB: gather+convert "
               f"{r['gather_gbps']:7.1f} GB/s ({r['gather_time_over_copy']:.2f}x one device copy "
               f"at {r['copy_gbps']:.0f} GB/s r+w); world-1 refit {r['refit_ws1_gbps']:.1f} GB/s")
-    line = json.dumps(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
-    print(line)
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

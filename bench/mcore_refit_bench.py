@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from bench_report import emit
 from broadcast_bench import run_ranks, timed
 
 from common.broadcast import RefitReceiver, RefitSender
@@ -178,11 +179,7 @@ def main() -> None:
                "bucket_mib": args.bucket_mib, "torch": torch.__version__,
                "gpu": None if args.quick else torch.cuda.get_device_name(0),
                "wall_s": round(time.perf_counter() - t0, 1)}
-    line = json.dumps(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
-    print(line)
+    emit(report, args.out)
 
 
 if __name__ == "__main__":
