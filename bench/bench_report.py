@@ -81,7 +81,8 @@ def build_report(ranks: list[dict[str, Any]], group: RefitGroup, args: argparse.
         "timing": "each rank times itself from a barrier; per rep the slowest rank; median",
         "gbps": "payload bytes once (not counting fan-out) / time; pack: 2x bytes / time",
         "sources": "tensor list cut in contiguous slices, one per trainer; raw from rank 0",
-        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NCCL_NVLS_ENABLE")},
+        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NCCL_NVLS_ENABLE",
+                                                "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
     }
     if args.device == "cuda" and group.world_size == 1:
         report["note"] = ("world size 1: a 1-GPU NCCL broadcast is a local no-op, so only "

@@ -21,6 +21,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -44,6 +45,9 @@ SHAPES: dict[str, dict[str, tuple[int, int]]] = {
     "cpu": {"moe": (20_000, 16_384), "dense": (64, 4 << 20)},
     "gpu": {"moe": (20_000, 196_608), "dense": (400, 16 << 20)},
 }
+# NVLink multicast stays off on the shared H200 hosts (the device README says why)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
 DEFAULT_MODEL_SCALE = {"cpu": 0.002, "gpu": 0.5}  # --models: fits 2 cores / one H200 per rank
 
 
@@ -116,27 +120,18 @@ def bench_shape(group: RefitGroup, name: str, shapes: Shapes,
     # and --quick stays under a minute.
     times = {"naive": timed(naive, args, dev, barrier, args.naive_reps, lambda: naive(10))}
     stats: dict[str, Any] = {}
+    mine = {s.name: t for s, t in zip(specs, tensors, strict=True)
+            if s.source_rank == group.rank}
     for nb in args.buffer_counts:
-        config = RefitConfig(bucket_bytes=args.bucket_bytes, num_buffers=nb,
-                             timeout_s=args.timeout)
-        plan = RefitPlan.build(specs, config)
-        last: list[RefitStats] = []
-        source: DictWeightSource | None = None
-        if group.is_trainer:
-            mine = {s.name: t for s, t in zip(specs, tensors, strict=True)
-                    if s.source_rank == group.rank}
-            end: RefitSender | RefitReceiver = RefitSender.setup(group, plan)
-            source = DictWeightSource(mine)
-        else:
-            end = RefitReceiver.setup(group, plan)
-        times[f"coalesced_{nb}buf"] = timed(partial(coalesced_step, end, source, last),
-                                            args, dev, barrier)
-        stats[f"coalesced_{nb}buf"] = {**stats_dict(last[-1]), "buckets": len(plan.buckets),
-                                       "buffer_bytes": plan.buffer_bytes}
-        del end  # free the bucket buffers before the next method
+        source = DictWeightSource(mine) if group.is_trainer else None
+        times[f"coalesced_{nb}buf"], stats[f"coalesced_{nb}buf"] = time_refits(
+            group, specs, source, nb, args, barrier)
     if args.forward and group.num_trainers > 1:
-        times["forwarded_2buf"], stats["forwarded_2buf"] = bench_forwarded(
-            group, specs, tensors, args, barrier)
+        # rank 0 the only source: the other owners' tensors reach it first over the training
+        # ranks' own group, instead of each owner feeding the refit group
+        forward = ForwardingSource(mine, specs, group.rank, dev) if group.is_trainer else None
+        times["forwarded_2buf"], stats["forwarded_2buf"] = time_refits(
+            group, [replace(s, source_rank=0) for s in specs], forward, 2, args, barrier)
     # Real bytes: on CPU a never-written buffer reads as the kernel's shared zero page, which
     # made the raw send ~25% cheaper than sending any real weights.
     raw = torch.full((total,), 7, dtype=torch.uint8, device=dev)
@@ -145,25 +140,20 @@ def bench_shape(group: RefitGroup, name: str, shapes: Shapes,
     return times, stats
 
 
-def bench_forwarded(group: RefitGroup, specs: list[TensorSpec], tensors: list[torch.Tensor],
-                    args: argparse.Namespace,
-                    barrier: Callable[[], None]) -> tuple[list[float], dict[str, Any]]:
-    """2 buffers, rank 0 the only source: the other owners' tensors reach it first over the
-    training ranks' own group (`ForwardingSource`), instead of each owner feeding the group."""
-    config = RefitConfig(bucket_bytes=args.bucket_bytes, num_buffers=2, timeout_s=args.timeout)
-    owner = {s.name: s.source_rank for s in specs}
-    source = None
-    if group.is_trainer:
-        mine = {s.name: t for s, t in zip(specs, tensors, strict=True)
-                if s.source_rank == group.rank}
-        source = ForwardingSource(mine, owner, specs, group.rank, group.device)
-        plan = RefitPlan.build(source.plan_specs(), config)
-        end: RefitSender | RefitReceiver = RefitSender.setup(group, plan)
-    else:
-        end = RefitReceiver.setup(group)
+def time_refits(group: RefitGroup, specs: list[TensorSpec], source: WeightSource | None,
+                buffers: int, args: argparse.Namespace,
+                barrier: Callable[[], None]) -> tuple[list[float], dict[str, Any]]:
+    """Set up this rank's end (a sender of `source` on a training rank) of a plan of `specs`
+    with `buffers` buffers, time its refits; (times, the last refit's stats)."""
+    config = RefitConfig(bucket_bytes=args.bucket_bytes, num_buffers=buffers,
+                         timeout_s=args.timeout)
+    plan = RefitPlan.build(specs, config)
+    end = (RefitSender.setup(group, plan) if group.is_trainer
+           else RefitReceiver.setup(group, plan))
     last: list[RefitStats] = []
     times = timed(partial(coalesced_step, end, source, last), args, group.device, barrier)
-    return times, {**stats_dict(last[-1]), "buckets": len(end.plan.buckets)}
+    return times, {**stats_dict(last[-1]), "buckets": len(plan.buckets),
+                   "buffer_bytes": plan.buffer_bytes}
 
 
 def coalesced_step(end: RefitSender | RefitReceiver, source: WeightSource | None,
@@ -345,7 +335,7 @@ def main() -> None:
                     help="training ranks, the first ones (half the world on GPU, 2 on CPU); "
                          "1 = the minimal group (rank 0 sends everything)")
     args = ap.parse_args()
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ.update(NO_MULTICAST)
     os.environ["OMP_NUM_THREADS"] = "1" if args.quick else os.environ.get("OMP_NUM_THREADS", "1")
     args.device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     args.shapes = "gpu" if args.device == "cuda" else "cpu"

@@ -9,6 +9,7 @@ training rank 0 over the training job's own group (one batched point-to-point ca
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -17,16 +18,17 @@ from common.plan import RefitPlan, TensorSpec
 
 
 class ForwardingSource:
-    """A weight source whose plan names rank 0 as every bucket's source; `owner[name]` is the
-    training rank (of the default group) that holds the tensor."""
+    """A weight source whose plan names rank 0 as every bucket's source; each of `specs` is
+    held by its `source_rank` (a training rank of the default group), `tensors` are this
+    rank's."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], owner: Mapping[str, int],
-                 specs: list[TensorSpec], rank: int, device: torch.device) -> None:
-        self.tensors, self.owner, self.specs = tensors, owner, specs
-        self.rank, self.device = rank, device
+    def __init__(self, tensors: Mapping[str, torch.Tensor], specs: list[TensorSpec], rank: int,
+                 device: torch.device) -> None:
+        self.tensors, self.specs, self.rank, self.device = tensors, specs, rank, device
+        self.owner = {s.name: s.source_rank for s in specs}
 
     def plan_specs(self) -> list[TensorSpec]:
-        return [TensorSpec(s.name, s.shape, s.dtype, 0) for s in self.specs]
+        return [replace(s, source_rank=0) for s in self.specs]
 
     def iter_tensors(self, plan: RefitPlan) -> Iterator[tuple[str, torch.Tensor | None]]:
         for bucket in plan.buckets:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from bench_report import emit
-from broadcast_bench import run_ranks, timed
+from broadcast_bench import NO_MULTICAST, run_ranks, timed
 
 from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
@@ -167,8 +167,7 @@ def main() -> None:
         ap.error("--ep needs --moe")
     args.bucket_mib = args.bucket_mib or (1 if args.quick else 256)
     args.train_port, args.deadline = free_port(), 10 * args.timeout
-    os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                       "NVSHMEM_DISABLE_NVLS": "1", "OMP_NUM_THREADS": "1"})
+    os.environ.update({**NO_MULTICAST, "OMP_NUM_THREADS": "1"})
     world = args.tp * args.pp * args.ep + args.receivers
     if not args.quick and torch.cuda.device_count() < world:
         raise SystemExit(f"needs {world} GPUs (one per rank), {torch.cuda.device_count()} "

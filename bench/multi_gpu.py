@@ -32,11 +32,10 @@ import time
 from typing import Any
 
 import torch
+from broadcast_bench import NO_MULTICAST
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}
 HEADLINE = ("moe_double_buffer_fraction_of_ceiling", "moe_coalesced_speedup_vs_naive",
             "moe_double_buffer_time_over_raw", "dense_double_buffer_fraction_of_ceiling",
             "moe_forwarded_time_over_owner_fed")
