@@ -18,10 +18,11 @@ ABORT headers instead of payloads; receivers stop loading at the first ABORT.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,19 +58,48 @@ class RefitStats:
     pack_s: float = 0.0
     wait_s: float = 0.0  # blocked on the refit group's collectives
     load_s: float = 0.0  # receiver callback (e.g. model.load_weights)
+    # Each receiving rank's own timings ({"seconds", "wait_s", "load_s"}), from the status
+    # exchange at the end of a refit that landed.
+    receivers: dict[int, dict[str, float]] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
 
     def summary(self) -> str:
-        return (f"refit v{self.version}: {self.nbytes / 1e6:.1f} MB in {self.num_buckets} buckets, "
-                f"{self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s; produce "
-                f"{self.produce_s * 1e3:.1f} ms, pack {self.pack_s * 1e3:.1f} ms, wait "
-                f"{self.wait_s * 1e3:.1f} ms, load {self.load_s * 1e3:.1f} ms)")
+        mine = (f"produce {self.produce_s * 1e3:.1f} ms, pack {self.pack_s * 1e3:.1f} ms"
+                if self.produce_s or self.pack_s else f"load {self.load_s * 1e3:.1f} ms")
+        text = (f"refit v{self.version}: {self.nbytes / 1e6:.1f} MB in {self.num_buckets} "
+                f"buckets, {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s; {mine}, wait "
+                f"{self.wait_s * 1e3:.1f} ms)")
+        if self.receivers:
+            rank, slowest = max(self.receivers.items(), key=lambda kv: kv[1].get("seconds", 0))
+            text += (f"; slowest of {len(self.receivers)} receivers: rank {rank} "
+                     f"{slowest.get('seconds', 0) * 1e3:.1f} ms (load "
+                     f"{slowest.get('load_s', 0) * 1e3:.1f} ms)")
+        return text
 
 
 PlanCheck = Callable[[RefitPlan], str | None]
+
+
+def _encode_status(error: str, stats: RefitStats) -> bytes:
+    """A rank's end-of-refit record: its error ("" if none) and its own timings, as JSON that
+    fits the status slot (the error text is cut to fit)."""
+    times = {"seconds": round(stats.seconds, 6), "wait_s": round(stats.wait_s, 6),
+             "load_s": round(stats.load_s, 6)}
+    record = {"times": times, "error": error}
+    while len(raw := json.dumps(record).encode()) > _STATUS_BYTES:
+        record["error"] = record["error"][: -(len(raw) - _STATUS_BYTES) - 3]
+    return raw
+
+
+def _decode_status(raw: bytes) -> dict:
+    try:
+        record = json.loads(raw.decode())
+    except ValueError:  # a record cut by the slot, or a peer of another protocol version
+        return {"times": {}, "error": raw.decode(errors="replace") or "unreadable status"}
+    return {"times": record.get("times", {}), "error": record.get("error", "")}
 
 
 def agree_on_plan(
@@ -153,11 +183,15 @@ class _Endpoint:
             # the collectives were waited. Not the whole device: the training job's other
             # streams, or an aborted communicator's, are not the refit's to wait for.
             torch.cuda.current_stream(self.group.device).synchronize()
+        stats.seconds = time.perf_counter() - t0  # this rank's work, sent to the others
         mine = "" if error is None else f"{type(error).__name__}: {error}"
-        statuses = self.group.all_gather_bytes(mine.encode(), _STATUS_BYTES,
+        statuses = self.group.all_gather_bytes(_encode_status(mine, stats), _STATUS_BYTES,
                                                f"refit v{stats.version} status")
         stats.seconds = time.perf_counter() - t0
-        failed = {r: s.decode(errors="replace") for r, s in enumerate(statuses) if s}
+        records = {r: _decode_status(s) for r, s in enumerate(statuses)}
+        failed = {r: rec["error"] for r, rec in records.items() if rec["error"]}
+        stats.receivers = {r: rec["times"] for r, rec in records.items()
+                           if r >= self.group.num_trainers and not rec["error"]}
         if error is not None:
             if isinstance(error, RefitError):
                 raise error
@@ -308,13 +342,16 @@ class RefitReceiver(_Endpoint):
                     (self.group.broadcast(target, src), what)], target
         return [(self.group.broadcast(self.bucket_buffer(bucket), src), what)], None
 
-    def receive(self, on_bucket: BucketCallback) -> RefitStats:
+    def receive(self, on_bucket: BucketCallback, on_done: Callable[[], None] | None = None,
+                version: int | None = None) -> RefitStats:
         """Receive one refit; `on_bucket(list of (name, tensor))` is called once per bucket.
 
         The tensors are views into a receive buffer that is reused as soon as the callback
         returns: copy anything that must outlive the call. After the first failure (an ABORT
-        from the sender, or the callback raising) the remaining buckets are received but not
-        handed over, and every rank raises at the end.
+        from the sender, the callback raising, or a `version` other than the one expected)
+        the remaining buckets are received but not handed over, and every rank raises at the
+        end. `on_done()` runs after the last bucket (also after a failure: it closes what the
+        loads opened), before the status exchange, so its failure reaches every rank too.
         """
         plan, buckets = self.plan, self.plan.buckets
         stats = RefitStats(-1, len(buckets), plan.total_bytes)
@@ -336,6 +373,9 @@ class RefitReceiver(_Endpoint):
             header = Header.decode(raw)
             if expected is None:
                 stats.version = header.version
+                if version is not None and header.version != version:
+                    error = RefitError(f"{self.group.who}: the trainers sent refit "
+                                       f"v{header.version}, this receiver expected v{version}")
             expected = Header(bucket.index, len(buckets), stats.version, plan.digest)
             if why := header.mismatch(expected):
                 raise RefitError(f"{self.group.who}: protocol out of step at bucket "
@@ -358,5 +398,15 @@ class RefitReceiver(_Endpoint):
                 error = RefitError(f"{self.group.who}: loading bucket {bucket.index} "
                                    f"({tensors[0][0]!r}..) failed: {type(e).__name__}: {e}")
                 error.__cause__ = e
+            stats.load_s += time.perf_counter() - t1
+        if on_done is not None:
+            t1 = time.perf_counter()
+            try:
+                on_done()
+            except Exception as e:  # noqa: BLE001 - reported to every rank
+                if error is None:
+                    error = RefitError(f"{self.group.who}: finishing refit v{stats.version} "
+                                       f"failed: {type(e).__name__}: {e}")
+                    error.__cause__ = e
             stats.load_s += time.perf_counter() - t1
         return self.finish(stats, error, t0)

@@ -1,0 +1,294 @@
+"""Training-side control of vLLM engines that run the `refit` backend; never imports vllm.
+
+One interface (`EngineClient`) over three hosts: a `vllm serve` server (`common.http_engine`),
+an engine in a child process of the trainer (`common.engine`), an engine in a Ray actor
+(`common.ray_engine`). A refit of one engine, from training rank 0:
+
+    engine.pause("keep")                  # vLLM does not guard an update: always pause first
+    refitting = engine.refit_async(step)  # the engine receives while the trainers broadcast
+    sender.refit(source, step)            # every training rank
+    refitting.result()
+    engine.finish(step)                   # the engine now reports weight version str(step)
+    engine.resume()
+
+`EngineFleet` does the same for several engines (DP replicas, several servers) in one refit
+group. After a failed refit the engine stays paused: `resume()` refuses and `finish()` raises,
+naming the failed and the last complete version, until a refit lands; the version the engine
+reports stays the last complete one. A version not newer than the engine's is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from common.errors import RefitError
+
+log = logging.getLogger(__name__)
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES = ("abort", "wait", "keep")
+T = TypeVar("T")
+
+
+class EngineError(RefitError):
+    """A call to an engine failed; the message names the engine, the step and the cause."""
+
+
+@dataclass(frozen=True)
+class JoinInfo:
+    """The refit backend's init info for one engine (`common.vllm_backend.RefitInitInfo`)."""
+
+    host: str
+    port: int
+    world_size: int
+    num_trainers: int
+    rank_offset: int
+    timeout_s: float = 300.0
+    group_name: str = "refit"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One greedy (or sampled) completion; `weight_versions` = (version, start, end) spans over
+    the output tokens, as vLLM reports them: which weights produced which tokens."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_versions: list[tuple[str, int, int]]
+
+
+class EngineClient(ABC):
+    """One vLLM engine (every worker of it) as seen from training rank 0 (module docstring).
+
+    Subclasses implement the transport (`_` methods); this class keeps the refit state rules.
+    `timeout_s` bounds every control call; joins and refits use the join's timeout.
+    """
+
+    def __init__(self, name: str, timeout_s: float = 60.0) -> None:
+        self.name, self.timeout_s = name, timeout_s
+        self.version: int | None = None  # last complete version, learnt at join
+        self.failed: tuple[int, str] | None = None  # (version, why) until a refit lands
+        self._refit: tuple[int, Future] | None = None
+        self._join_timeout_s = 300.0
+        self._workers: int | None = None
+        self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"engine {name}")
+
+    # --- transport, one per host -----------------------------------------------------------
+    @abstractmethod
+    def _num_workers(self) -> int: ...
+    @abstractmethod
+    def _pause(self, mode: PauseMode, clear_cache: bool) -> None: ...
+    @abstractmethod
+    def _resume(self) -> None: ...
+    @abstractmethod
+    def _init(self, info: dict[str, Any], timeout_s: float) -> None: ...
+    @abstractmethod
+    def _start(self) -> None: ...
+    @abstractmethod
+    def _update(self, info: dict[str, Any], timeout_s: float) -> None: ...
+    @abstractmethod
+    def _finish(self, version: str) -> None: ...
+    @abstractmethod
+    def _get_version(self) -> str: ...
+    @abstractmethod
+    def _set_version(self, version: str) -> None: ...
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], max_tokens: int,
+                 **sampling: Any) -> list[Completion]:
+        """Completions of token-id prompts (greedy unless `sampling` says otherwise)."""
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    # --- the refit protocol ----------------------------------------------------------------
+    def _do(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except EngineError:
+            raise
+        except Exception as e:  # noqa: BLE001 - rewrapped with the engine and the step
+            raise EngineError(f"engine {self.name}: {what} failed: {type(e).__name__}: "
+                              f"{e}") from e
+
+    def num_workers(self) -> int:
+        """Workers of this engine (TP x PP x DP): each is one rank of the refit group."""
+        if self._workers is None:
+            self._workers = self._do("asking its world size", self._num_workers)
+        return self._workers
+
+    def weight_version(self) -> str:
+        return self._do("reading its weight version", self._get_version)
+
+    def pause(self, mode: PauseMode = "keep", clear_cache: bool = True) -> None:
+        """abort: in-flight requests end (finish reason abort); wait: they finish under the
+        old weights first; keep: they freeze and continue after `resume` (re-prefilled under
+        the new weights when `clear_cache`). New requests queue until `resume`."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
+        self._do(f"pause (mode {mode})", lambda: self._pause(mode, clear_cache))
+
+    def resume(self) -> None:
+        if self.failed is not None:
+            version, why = self.failed
+            raise EngineError(f"engine {self.name}: refusing to resume: refit v{version} "
+                              f"failed ({why}); it holds a mix of versions (last complete "
+                              f"v{self.version}); a refit must land first")
+        self._do("resume", self._resume)
+
+    def join_async(self, info: JoinInfo) -> Future:
+        """Join the refit group (every worker, ranks from `info.rank_offset`); returns at once,
+        the trainers run `RefitSender.setup` meanwhile. The engine's version is learnt here
+        (an engine still at vLLM's "default" is set to "0", its starting checkpoint)."""
+        def join() -> None:
+            current = self._get_version()
+            if current == "default":
+                self._set_version("0")
+                current = "0"
+            self.version = int(current) if current.isdigit() else None
+            self._init(info.as_dict(), info.timeout_s)
+
+        self._join_timeout_s = info.timeout_s
+        return self._submit(f"joining refit group {info.group_name!r} at {info.host}:"
+                            f"{info.port} as ranks {info.rank_offset}..", join)
+
+    def refit_async(self, version: int) -> Future:
+        """Start receiving refit `version` (call `pause` first); returns at once."""
+        if self._refit is not None:
+            raise EngineError(f"engine {self.name}: refit v{self._refit[0]} is still pending")
+        if self.version is not None and version <= self.version:
+            raise EngineError(f"engine {self.name}: refit v{version} refused: not newer than "
+                              f"v{self.version}, the version it holds")
+
+        def refit() -> None:
+            self._start()
+            self._update({"version": version}, self._join_timeout_s)
+
+        future = self._submit(f"refit v{version}", refit)
+        self._refit = (version, future)
+        return future
+
+    def finish(self, version: int) -> None:
+        """Wait for refit `version` and commit it as the engine's weight version."""
+        if self._refit is None or self._refit[0] != version:
+            raise EngineError(f"engine {self.name}: finish v{version} without refit_async"
+                              f"({version})")
+        _, future = self._refit
+        self._refit = None
+        try:
+            future.result(self._join_timeout_s + self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - recorded, then raised with both versions
+            self.failed = (version, str(e))
+            raise EngineError(f"engine {self.name}: refit v{version} failed; the engine stays "
+                              f"paused and reports v{self.version}, the last complete version: "
+                              f"{e}") from e
+        self._do(f"finish v{version}", lambda: self._finish(str(version)))
+        self.version, self.failed = version, None
+
+    def _submit(self, what: str, fn: Callable[[], None]) -> Future:
+        return self._threads.submit(self._do, what, fn)
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EngineFleet:
+    """Several engines in one refit group, paused, refit and resumed together (module doc).
+
+    Trainers are refit ranks 0..T-1; engine i's workers follow in order.
+    """
+
+    def __init__(self, engines: Sequence[EngineClient]) -> None:
+        self.engines = list(engines)
+
+    def world_size(self, num_trainers: int) -> int:
+        return num_trainers + sum(e.num_workers() for e in self.engines)
+
+    def join_async(self, host: str, port: int, num_trainers: int, timeout_s: float = 300.0,
+                   group_name: str = "refit") -> FleetFuture:
+        world, offset, futures = self.world_size(num_trainers), num_trainers, []
+        for engine in self.engines:
+            info = JoinInfo(host, port, world, num_trainers, offset, timeout_s, group_name)
+            futures.append(engine.join_async(info))
+            offset += engine.num_workers()
+        return FleetFuture(futures)
+
+    def pause(self, mode: PauseMode = "keep", clear_cache: bool = True) -> None:
+        _all(self.engines, lambda e: e.pause(mode, clear_cache))
+
+    def resume(self) -> None:
+        _all(self.engines, EngineClient.resume)
+
+    def finish(self, version: int) -> None:
+        _all(self.engines, lambda e: e.finish(version))
+
+    def refit(self, send: Callable[[], T], version: int, mode: PauseMode = "keep") -> T:
+        """Pause, receive while `send()` broadcasts (the sender's refit on training rank 0),
+        finish and resume every engine; returns what `send` returned. A failure anywhere
+        leaves every engine paused and raises."""
+        t0 = time.perf_counter()
+        self.pause(mode)
+        for engine in self.engines:
+            engine.refit_async(version)
+        try:
+            result = send()
+        except BaseException:
+            with contextlib.suppress(EngineError):  # records each engine's failure
+                self.finish(version)
+            raise
+        self.finish(version)
+        self.resume()
+        log.info("refit v%d into %d engine(s): %.1f ms paused (mode %s)", version,
+                 len(self.engines), (time.perf_counter() - t0) * 1e3, mode)
+        return result
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+
+
+class FleetFuture:
+    """Calls in flight on several engines: `result()` waits for all, then raises the first
+    failure (each engine's error names the engine)."""
+
+    def __init__(self, futures: list[Future]) -> None:
+        self.futures = futures
+
+    def result(self, timeout_s: float | None = 600.0) -> list[Any]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        out, errors = [], []
+        for future in self.futures:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                out.append(future.result(left))
+            except Exception as e:  # noqa: BLE001 - every engine is waited for first
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return out
+
+
+def _all(engines: Sequence[EngineClient], call: Callable[[EngineClient], None]) -> None:
+    """`call` on every engine, even after one fails; then raise the first failure."""
+    errors = []
+    for engine in engines:
+        try:
+            call(engine)
+        except Exception as e:  # noqa: BLE001 - the others still get the call
+            errors.append(e)
+    if errors:
+        raise errors[0]

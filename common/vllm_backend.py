@@ -1,0 +1,227 @@
+"""The `refit` backend of vLLM's weight-transfer API: one instance in every vLLM worker.
+
+vLLM builds it in each worker (TP x PP, every DP replica) when the engine runs with
+`weight_transfer_config={"backend": "refit"}` (registered by `refit_vllm_plugin`). Through
+vLLM's own routes and methods:
+
+- `init_weight_transfer_engine(RefitInitInfo)`: this worker joins the refit group as rank
+  `rank_offset + dp_index * (TP x PP) + worker rank` and vets the trainers' plan against the
+  checkpoint it was started from; a refusal fails the setup on every rank.
+- `start_weight_update()`: checks state only.
+- `update_weights({"version": step})`: one whole refit: the in-place layerwise reload begins,
+  every bucket is received and loaded (one `load_weights` per bucket), the reload is
+  finalised, vLLM's skipped CPU fused-MoE prepack is redone and every param is checked to
+  have been loaded, all before the end-of-refit status exchange, so a failure here (or on any
+  other rank) fails the refit on every rank, and the trainers read this worker's timings.
+- `finish_weight_update()`: checks that a refit landed since the start.
+
+Only vLLM processes import this module (it imports vllm).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.reload.layerwise import (
+    LAYERWISE_INFO,
+    finalize_layerwise_reload,
+    get_layerwise_info,
+    initialize_layerwise_reload,
+)
+
+from common.broadcast import RefitReceiver
+from common.checkpoint import checkpoint_tensors
+from common.group import RefitGroup
+from common.plan import RefitPlan, dtype_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RefitInitInfo(WeightTransferInitInfo):
+    """Where and as what this engine's workers join the refit group (plain JSON)."""
+
+    host: str
+    port: int
+    world_size: int  # every trainer rank + every worker of every engine
+    num_trainers: int
+    rank_offset: int  # this engine's first refit rank
+    timeout_s: float = 300.0
+    group_name: str = "refit"
+
+
+@dataclass
+class RefitUpdateInfo(WeightTransferUpdateInfo):
+    """The version (training step) this refit must carry; the trainers' headers are checked."""
+
+    version: int
+
+
+class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
+    """Receives refits over the refit group into this worker's model, in place."""
+
+    init_info_cls = RefitInitInfo
+    update_info_cls = RefitUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.receiver: RefitReceiver | None = None
+        self.in_update = False
+        self.last_version: int | None = None  # last refit that landed on this worker
+        self.landed = False  # a refit landed since start_weight_update
+
+    @property
+    def refit_rank_within_engine(self) -> int:
+        pc = self.parallel_config
+        return pc.data_parallel_index * pc.world_size + pc.rank
+
+    def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
+        if self.in_update:
+            raise RuntimeError("cannot join a refit group during a weight update")
+        self.shutdown()
+        rank = init_info.rank_offset + self.refit_rank_within_engine
+        group = RefitGroup(host=init_info.host, port=init_info.port, rank=rank,
+                           world_size=init_info.world_size, num_trainers=init_info.num_trainers,
+                           timeout_s=init_info.timeout_s, device=self.device,
+                           name=init_info.group_name)
+        try:
+            self.receiver = RefitReceiver.setup(group, check=self._check_plan)
+        except Exception:
+            group.destroy()
+            raise
+        plan = self.receiver.plan
+        log.info("%s: joined with plan %s (%d tensors, %d buckets)", group.who,
+                 plan.digest[:12], len(plan.specs), len(plan.buckets))
+
+    def _check_plan(self, plan: RefitPlan) -> str | None:
+        """Why this engine cannot take `plan`, naming the tensor; None if it can.
+
+        Names and shapes come from the checkpoint the engine was started from (vLLM has no
+        dry-run load); dtypes from the model: a tensor vLLM keeps under the same name (e.g. an
+        fp32 router bias) must arrive in that param's dtype, any other floating tensor in the
+        model dtype. Every checkpoint tensor must be in the plan, or its weight would go stale.
+        """
+        model_dir = self.model_config.model
+        ckpt = checkpoint_tensors(model_dir)
+        params = dict(self.model.named_parameters())
+        model_dtype = self.model_config.dtype
+        for spec in plan.specs:
+            if spec.name not in ckpt:
+                return (f"tensor {spec.name!r} is not in the checkpoint this engine was started "
+                        f"from ({model_dir})")
+            shape, _ = ckpt[spec.name]
+            if tuple(shape) != spec.shape:
+                return (f"tensor {spec.name!r}: plan shape {list(spec.shape)}, engine checkpoint "
+                        f"shape {list(shape)}")
+            want = params[spec.name].dtype if spec.name in params else model_dtype
+            if spec.dtype.is_floating_point and spec.dtype != want:
+                return (f"tensor {spec.name!r}: plan dtype {dtype_name(spec.dtype)}, the engine "
+                        f"keeps it as {dtype_name(want)}")
+        missing = sorted(set(ckpt) - {spec.name for spec in plan.specs})
+        if missing:
+            return (f"the plan lacks {len(missing)} tensor(s) of the engine's checkpoint, e.g. "
+                    f"{missing[0]!r}: they would keep stale weights")
+        return None
+
+    def start_weight_update(self) -> None:
+        if self.receiver is None:
+            raise RuntimeError("start_weight_update before init_weight_transfer_engine: this "
+                               "engine has not joined a refit group")
+        if self.in_update:
+            raise RuntimeError("a weight update is already in progress")
+        self.in_update, self.landed = True, False
+
+    def update_weights(self, update_info: dict) -> None:
+        """One whole refit (see the module docstring); CPU needs no accelerator sync."""
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        finally:
+            self.in_update = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: RefitUpdateInfo) -> None:
+        if not self.in_update:
+            raise RuntimeError("update_weights without start_weight_update")
+        version = update_info.version
+        if self.last_version is not None and version <= self.last_version:
+            raise ValueError(f"refit v{version} is not newer than v{self.last_version}, the "
+                             f"version this engine already holds")
+        receiver, model, loaded = self.receiver, self.model, set()
+        t0 = time.perf_counter()
+        initialize_layerwise_reload(model)
+        finalized = False
+
+        def finalize() -> None:  # before the status exchange: its failure reaches every rank
+            nonlocal finalized
+            finalized = True
+            finalize_layerwise_reload(model, self.model_config)
+            _redo_cpu_moe_prepack(model)
+            if missing := sorted(_loadable(model) - loaded):
+                raise RuntimeError(f"no value arrived for {len(missing)} param(s), e.g. "
+                                   f"{missing[0]!r}")
+
+        try:
+            stats = receiver.receive(lambda items: loaded.update(self._load(items)),
+                                     on_done=finalize, version=version)
+        finally:
+            if not finalized:  # the group failed mid-refit: close the reload session anyway
+                finalize_layerwise_reload(model, self.model_config)
+                _redo_cpu_moe_prepack(model)
+        self.last_version, self.landed = version, True
+        log.info("%s: refit v%d landed in %.1f ms (wait %.1f ms, load %.1f ms)",
+                 receiver.group.who, version, (time.perf_counter() - t0) * 1e3,
+                 stats.wait_s * 1e3, stats.load_s * 1e3)
+
+    def _load(self, items: list[tuple[str, torch.Tensor]]) -> set[str]:
+        """One batched load; then copy out any view vLLM still holds (a layer split across
+        buckets waits for its other parts), since the receive buffer is about to be reused."""
+        names = self.model.load_weights(items)
+        for info in list(LAYERWISE_INFO.values()):
+            for _, bound in info.loaded_weights:
+                for key, value in bound.arguments.items():
+                    if isinstance(value, torch.Tensor) and self.receiver.owns(value):
+                        bound.arguments[key] = value.clone()
+        return names
+
+    def finish_weight_update(self) -> None:
+        """vLLM itself refuses a finish after a failed update; this refuses one after none."""
+        if not self.landed:
+            raise RuntimeError(f"finish_weight_update without a refit that landed since "
+                               f"start_weight_update (last complete v{self.last_version})")
+
+    def shutdown(self) -> None:
+        """Leave the refit group (e.g. before rebuilding it after a failure)."""
+        if self.receiver is not None:
+            self.receiver.group.destroy()
+        self.receiver = None
+
+
+def _loadable(model: torch.nn.Module) -> set[str]:
+    """Params a load must fill: the checkpoint-format params vLLM recorded at startup for
+    reloading (params derived after loading, e.g. MLA's W_UK_T, are not among them)."""
+    names = set()
+    for prefix, layer in model.named_modules():
+        recorded, _ = get_layerwise_info(layer).restore_metadata
+        names.update(f"{prefix}.{n}" if prefix else n for n in recorded)
+    return names & {n for n, _ in model.named_parameters()}
+
+
+def _redo_cpu_moe_prepack(model: torch.nn.Module) -> None:
+    """vLLM's CPU fused-MoE kernels keep a prepacked copy of the experts that an in-place
+    reload does not refresh (generation stays silently wrong): redo that prepack."""
+    for module in model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None),
+                          "fused_experts", None)
+        weight = getattr(module, "w13_weight", None)
+        if experts is not None and weight is not None and weight.device.type == "cpu":
+            experts.process_weights_after_loading(module)

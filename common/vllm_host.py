@@ -1,0 +1,122 @@
+"""Host of one vLLM `LLM` with the `refit` backend, inside the process that runs it.
+
+`LLMHost` is what `common.engine.LocalEngine` runs in its child process (and what an actor
+can host): vLLM's own weight-transfer methods, pause / resume (`sleep(level=0, mode)` /
+`wake_up(["scheduling"])`, the offline `LLM`'s pause), weight versions, generation and a
+read-back of params for tests. It imports vllm: only engine processes import it.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+import torch
+
+from common.engine_config import EngineConfig
+
+_PAUSED = "engine is paused for a weight update: resume it before generating"
+
+
+def _read_params(worker: Any, names: list[str] | None) -> dict[str, torch.Tensor]:
+    """Runs in the worker: copies of its params by vLLM name; empty params (CPU kernels
+    prepack some weights and empty the param) are left out."""
+    params = dict(worker.model_runner.get_model().named_parameters())
+    return {n: params[n].detach().cpu().clone() for n in (names or params) if params[n].numel()}
+
+
+class LLMHost:
+    """One `LLM(weight_transfer_config={"backend": "refit"})`; started at version "0"."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from vllm import LLM
+
+        kwargs = {"skip_tokenizer_init": True, "enforce_eager": True, **config.llm_kwargs}
+        self.llm = LLM(model=config.model, dtype=config.dtype,
+                       weight_transfer_config={"backend": "refit"}, **kwargs)
+        self.llm.update_weight_version("0")  # the starting checkpoint
+        self.paused = False
+
+    def num_workers(self) -> int:
+        return self.llm.llm_engine.vllm_config.parallel_config.world_size_across_dp
+
+    def pause(self, mode: str, clear_cache: bool) -> None:
+        self.llm.sleep(level=0, mode=mode)
+        if clear_cache:
+            self.llm.reset_prefix_cache()
+        self.paused = True
+
+    def resume(self) -> None:
+        self.llm.wake_up(tags=["scheduling"])
+        self.paused = False
+
+    def init(self, info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": info})
+
+    def start(self) -> None:
+        self.llm.start_weight_update()
+
+    def update(self, info: dict) -> None:
+        self.llm.update_weights({"update_info": info})
+
+    def finish(self, version: str) -> None:
+        self.llm.finish_weight_update(weight_version=version)
+
+    def get_version(self) -> str:
+        return self.llm.get_weight_version()
+
+    def set_version(self, version: str) -> None:
+        self.llm.update_weight_version(version)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int,
+                 sampling: dict[str, Any]) -> list[dict[str, Any]]:
+        if self.paused:
+            raise RuntimeError(_PAUSED)
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, "logprobs": 1,
+                                                          **sampling})
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                 use_tqdm=False)
+        return [_completion(out.outputs[0]) for out in outs]
+
+    def read(self, names: list[str] | None) -> dict[str, torch.Tensor]:
+        """Worker 0's params (in this process: the worker lives here)."""
+        return self.llm.collective_rpc(_read_params, args=(names,))[0]
+
+
+def _completion(seq: Any) -> dict[str, Any]:
+    logprobs = [step[t].logprob for t, step in zip(seq.token_ids, seq.logprobs or [],
+                                                     strict=False)]
+    spans = [(s.version, s.start, s.end) for s in (seq.weight_versions or [])]
+    return {"tokens": list(seq.token_ids), "logprobs": logprobs,
+            "finish_reason": str(seq.finish_reason), "weight_versions": spans}
+
+
+def serve(conn: Any, config: EngineConfig) -> None:
+    """Entry point of `LocalEngine`'s child process: build the host, then answer calls
+    `(method, kwargs)` with `("ok", value)` or `("error", (type, message, traceback))`."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if config.in_process_worker else "1"
+    os.environ["OMP_NUM_THREADS"] = str(config.threads)
+    torch.set_num_threads(config.threads)
+    if config.disable_cpu_amx:
+        os.environ["REFIT_DISABLE_CPU_AMX"] = "1"  # applied by refit_vllm_plugin
+
+    def fail(e: BaseException) -> None:
+        conn.send(("error", (type(e).__name__, str(e), traceback.format_exc())))
+
+    try:
+        host = LLMHost(config)
+    except Exception as e:  # noqa: BLE001 - reported to the driver
+        fail(e)
+        return
+    conn.send(("ok", None))
+    while True:
+        method, kwargs = conn.recv()
+        if method == "stop":
+            return
+        try:
+            conn.send(("ok", getattr(host, method)(**kwargs)))
+        except Exception as e:  # noqa: BLE001 - reported to the driver
+            fail(e)
