@@ -1,35 +1,45 @@
 """FSDP2 training -> a running vLLM engine, refit after every step.
 
     torchrun --standalone --nproc-per-node 2 recipes/dtensor_fsdp_refit.py [--steps 3]
+        [--engine serve|local] [--pause keep|wait|abort] [--result out.json]
 
 Builds a tiny Qwen3 from a config (random init; nothing is downloaded), writes it as the
-engine's checkpoint, starts one vLLM engine in its own process (rank 0 drives it), shards the
-model with FSDP2 over gloo, trains a few AdamW steps on random tokens and refits after each
-step, printing where the time went (gather, pack, broadcast, load) and the engine's greedy
-tokens. The engine joins the refit group as the last rank.
+engine's checkpoint, starts one vLLM engine (`vllm serve` by default, driven over HTTP by rank
+0; its worker joins the refit group after the trainers), shards the model with FSDP2 over
+gloo, trains a few AdamW steps on random tokens and refits after each step (pause, refit,
+weight version = step, resume), printing where the time went (gather, pack, broadcast, load)
+and the engine's greedy tokens. At the end the engine's greedy tokens and logprobs must equal
+a fresh engine's started on the trained weights (DCP full state dict + `save_pretrained`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from common.broadcast import RefitSender
-from common.config import RefitConfig
-from common.engine import EngineConfig, EngineFleet, EngineProcess
-from common.group import RefitGroup
-from common.plan import RefitPlan
-from dtensor_refit import DTensorWeightSource, DtypePolicy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
+
+from common.broadcast import RefitSender  # noqa: E402
+from common.config import RefitConfig  # noqa: E402
+from common.engine_client import PAUSE_MODES, EngineFleet  # noqa: E402
+from common.group import RefitGroup  # noqa: E402
+from common.plan import RefitPlan  # noqa: E402
+from dtensor_refit import DTensorWeightSource, DtypePolicy  # noqa: E402
+from recipes.engines import KINDS, open_engine  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4, 5], [10, 20, 30]]
-LLM_KWARGS = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 128, "max_num_seqs": 4}
 
 
 def tiny_qwen3() -> Qwen3ForCausalLM:
@@ -40,56 +50,85 @@ def tiny_qwen3() -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(cfg)
 
 
+def save_bf16(state: dict[str, torch.Tensor], path: str) -> None:
+    model = tiny_qwen3().to(torch.bfloat16)
+    model.load_state_dict(state)
+    model.save_pretrained(path)
+
+
+def greedy(engine) -> tuple[list[list[int]], list[list[float]]]:
+    outs = engine.generate(PROMPTS, 8)
+    return [o.tokens for o in outs], [o.logprobs for o in outs]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--engine", choices=KINDS, default="serve")
+    parser.add_argument("--pause", choices=PAUSE_MODES, default="keep")
+    parser.add_argument("--result", help="rank 0 writes the checks' results here (JSON)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_qwen3()  # fp32 master weights, the same on every rank (seeded)
-    ckpt = os.path.join(tempfile.gettempdir(), "refit_dtensor_recipe_ckpt")
-    engine = None
-    if rank == 0:
-        start = tiny_qwen3().to(torch.bfloat16)
-        start.load_state_dict(model.state_dict())
-        start.save_pretrained(ckpt)
-        t0 = time.perf_counter()
-        engine = EngineFleet([EngineProcess(EngineConfig(model=ckpt, llm_kwargs=LLM_KWARGS))])
-        print(f"[recipe] engine up in {time.perf_counter() - t0:.1f}s; before training: "
-              f"{engine.call('generate', PROMPTS, 8)[0]['tokens']}", flush=True)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    source = DTensorWeightSource(model, DtypePolicy(torch.bfloat16))
-    plan = RefitPlan.build(source.plan_specs(), RefitConfig.from_env(bucket_bytes=4 << 20))
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
-    join = engine.join_async(host, port, num_trainers=world) if engine else None
-    group = RefitGroup(host=host, port=port, rank=rank, world_size=world + 1,
-                       num_trainers=world, timeout_s=120, device="cpu")
-    sender = RefitSender.setup(group, plan)
-    if join is not None:
-        print(f"[recipe] engine joined: {join.result()}", flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(rank)
-    for step in range(1, args.steps + 1):
-        tokens = torch.randint(0, model.config.vocab_size, (4, 32), generator=g)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        pending = engine.refit_async() if engine else None
-        stats = sender.refit(source, version=step)
-        if engine is None:
-            continue
-        (loaded,) = pending.result()
-        (out,) = engine.call("generate", PROMPTS, 8)
-        print(f"[recipe] step {step} loss {loss.item():.3f} | trainer {stats.summary()} | engine "
-              f"load {loaded['load_s'] * 1e3:.1f} ms of {loaded['seconds'] * 1e3:.1f} ms "
-              f"({loaded['nbytes'] / loaded['seconds'] / 1e9:.2f} GB/s) | v{out['version']} "
-              f"tokens {out['tokens']}", flush=True)
-    if engine is not None:
-        engine.close()
+    workdir = Path(tempfile.mkdtemp(prefix="refit_dtensor_recipe_"))
+    with contextlib.ExitStack() as stack:
+        fleet = engine = join = None
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
+        if rank == 0:
+            save_bf16(model.state_dict(), str(workdir / "v0"))
+            t0 = time.perf_counter()
+            engine = stack.enter_context(open_engine(args.engine, str(workdir / "v0"), workdir))
+            before = greedy(engine)[0]
+            print(f"[recipe] {args.engine} engine {engine.name} up in "
+                  f"{time.perf_counter() - t0:.1f}s; before training: {before}", flush=True)
+            fleet = EngineFleet([engine])
+            join = fleet.join_async(host, port, num_trainers=world, timeout_s=120)
+        size = [fleet.world_size(world) if fleet else None]
+        dist.broadcast_object_list(size, src=0)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        source = DTensorWeightSource(model, DtypePolicy(torch.bfloat16))
+        plan = RefitPlan.build(source.plan_specs(), RefitConfig.from_env(bucket_bytes=4 << 20))
+        group = RefitGroup(host=host, port=port, rank=rank, world_size=size[0],
+                           num_trainers=world, timeout_s=120, device="cpu")
+        sender = RefitSender.setup(group, plan)
+        if join is not None:
+            join.result(120)
+            print(f"[recipe] engine joined the refit group (world {size[0]})", flush=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(rank)
+        for step in range(1, args.steps + 1):
+            tokens = torch.randint(0, model.config.vocab_size, (4, 32), generator=g)
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if fleet is None:
+                sender.refit(source, version=step)
+                continue
+            t0 = time.perf_counter()
+            stats = fleet.refit(lambda s=step: sender.refit(source, version=s), step, args.pause)
+            paused = time.perf_counter() - t0
+            print(f"[recipe] step {step} loss {loss.item():.3f} | {stats.summary()} | paused "
+                  f"{paused * 1e3:.0f} ms | v{engine.weight_version()} tokens "
+                  f"{greedy(engine)[0]}", flush=True)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        if rank == 0:
+            save_bf16(full, str(workdir / f"v{args.steps}"))
+            got = greedy(engine)
+            with open_engine(args.engine, str(workdir / f"v{args.steps}"), workdir) as fresh:
+                ref = greedy(fresh)
+            assert got == ref, f"refit engine {got} != fresh engine {ref}"
+            assert got[0] != before, "training changed nothing the engine serves"
+            print(f"[recipe] checks passed: greedy tokens and logprobs equal a fresh engine's "
+                  f"on v{args.steps}", flush=True)
+            if args.result:
+                Path(args.result).write_text(json.dumps(
+                    {"tokens": got[0], "tokens_before": before, "fresh_tokens": ref[0],
+                     "version": engine.weight_version(), "engine": args.engine}))
     group.destroy()
     dist.destroy_process_group()
 

@@ -1,20 +1,25 @@
 """Megatron-Core training -> a running vLLM engine, refit after every optimizer step.
 
     torchrun --standalone --nproc-per-node 4 recipes/megatron_refit.py [--moe] [--steps 3]
+        [--engine serve|local] [--pause keep|wait|abort]
 
 Default: a tiny Qwen3-like GPT on TP2 x PP2; `--moe`: Qwen3-MoE on PP2 x EP2 (x DP2). Each rank
 builds its Megatron chunk on CPU/gloo and randomises every tensor; one plain pass of
 MegatronWeightSource gathers the model to rank 0, which writes it through transformers
-(`save_pretrained`, bf16) as the checkpoint of ONE vLLM engine (own process, driven by rank 0,
-refit rank 4). Then AdamW steps on random tokens (Megatron's pipeline schedule and DDP grad
-sync), one refit after each step. Checks at the end: vLLM's params equal a fresh engine's started
-on the expected weights (bit for bit), and so do its greedy tokens and logprobs; the logprobs
-also match transformers' on those weights within LOGPROB_TOL.
+(`save_pretrained`, bf16) as the checkpoint of ONE vLLM engine: a real `vllm serve` server
+(`--engine serve`, driven over HTTP) or an in-process `LLM` in a child process (`local`), both
+with the `refit` weight-transfer backend, driven by rank 0; its workers follow the trainers in
+the refit group. Then AdamW steps on random tokens (Megatron's pipeline schedule and DDP grad
+sync); after each, the engine is paused, refit, given the step as its weight version and
+resumed, and its logprobs are checked against transformers' on the expected weights. At the
+end its greedy tokens and logprobs equal a fresh engine's started on those weights (and, for
+a local engine, its params bit for bit).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -31,9 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
 
 from common.broadcast import RefitSender  # noqa: E402
 from common.config import RefitConfig  # noqa: E402
-from common.engine import EngineConfig, EngineProcess  # noqa: E402
+from common.engine_client import PAUSE_MODES, EngineClient, EngineFleet  # noqa: E402
 from common.group import RefitGroup, free_port  # noqa: E402
 from common.plan import RefitPlan  # noqa: E402
+from recipes.engines import KINDS, open_engine  # noqa: E402
 from recipes.mcore_models import (  # noqa: E402
     DENSE,
     MOE,
@@ -49,7 +55,6 @@ from recipes.mcore_models import (  # noqa: E402
 )
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [150, 20, 30, 40]]
-LLM_KWARGS = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 128, "max_num_seqs": 4}
 NEW_TOKENS = 8
 VLLM_TOL = 0.1  # |logprob| diff: vLLM computes in bf16, transformers here in fp32
 MEGATRON_TOL = 1e-3  # transformers vs Megatron's own forward, both fp32 on the bf16 weights
@@ -99,34 +104,69 @@ def max_diff(xs: list[list[float]], ys: list[list[float]]) -> float:
     return max(abs(a - b) for x, y in zip(xs, ys, strict=True) for a, b in zip(x, y, strict=True))
 
 
-def final_checks(engine: EngineProcess, ckpt: str, mega: list[list[float]]) -> dict:
-    """vLLM after the refits vs a fresh engine on the expected weights (params bit for bit,
-    greedy tokens and logprobs exactly), vs transformers, and transformers vs Megatron."""
+def greedy(engine: EngineClient) -> tuple[list[list[int]], list[list[float]]]:
+    outs = engine.generate(PROMPTS, NEW_TOKENS)
+    return [o.tokens for o in outs], [o.logprobs for o in outs]
+
+
+def check_step(engine: EngineClient, ckpt: str, step: int) -> list[list[int]]:
+    """After refit `step`: the engine reports the version and its logprobs match transformers'
+    on the expected weights (written independently of the refit path)."""
+    assert engine.weight_version() == str(step), engine.weight_version()
+    tokens, logprobs = greedy(engine)
+    diff = max_diff(hf_logprobs(ckpt, PROMPTS, tokens), logprobs)
+    assert diff <= VLLM_TOL, f"step {step}: vLLM logprobs differ from transformers' by {diff}"
+    return tokens
+
+
+def final_checks(engine: EngineClient, kind: str, ckpt: str, mega: list[list[float]]) -> dict:
+    """vLLM after the refits vs a fresh engine started on the expected weights (greedy tokens
+    and logprobs exactly; params bit for bit where they are readable: local engines), vs
+    transformers, and transformers vs Megatron."""
     from safetensors.torch import load_file
 
     from recipes.vllm_checks import compare_params, vllm_layout
 
-    got, out = engine.call("read"), engine.call("generate", PROMPTS, NEW_TOKENS)
-    with EngineProcess(EngineConfig(model=ckpt, llm_kwargs=LLM_KWARGS)) as fresh:
-        ref_params, ref = fresh.call("read"), fresh.call("generate", PROMPTS, NEW_TOKENS)
-    assert sorted(got) == sorted(ref_params), "vLLM param names differ from a fresh engine's"
-    bad = [n for n in got if not torch.equal(got[n], ref_params[n])]
-    assert not bad, f"{len(bad)} vLLM params differ from a fresh engine's, e.g. {bad[:3]}"
-    compared = compare_params(got, vllm_layout(load_file(f"{ckpt}/model.safetensors")))
-    assert out["tokens"] == ref["tokens"] and out["logprobs"] == ref["logprobs"], (out, ref)
-    hf = hf_logprobs(ckpt, PROMPTS, out["tokens"])
-    vllm_diff, mega_diff = max_diff(hf, out["logprobs"]), max_diff(hf, mega)
+    tokens, logprobs = greedy(engine)
+    result: dict = {}
+    with open_engine(kind, ckpt, Path(ckpt).parent) as fresh:
+        assert greedy(fresh) == (tokens, logprobs), "generation differs from a fresh engine's"
+        if kind == "local":
+            got, ref = engine.read(), fresh.read()
+            assert sorted(got) == sorted(ref), "vLLM param names differ from a fresh engine's"
+            bad = [n for n in got if not torch.equal(got[n], ref[n])]
+            assert not bad, f"{len(bad)} vLLM params differ from a fresh engine's, e.g. {bad[:3]}"
+            result["params_equal_fresh"] = len(got)
+            result["params_equal_checkpoint"] = compare_params(
+                got, vllm_layout(load_file(f"{ckpt}/model.safetensors")))
+    hf = hf_logprobs(ckpt, PROMPTS, tokens)
+    vllm_diff, mega_diff = max_diff(hf, logprobs), max_diff(hf, mega)
     assert vllm_diff <= VLLM_TOL, f"vLLM logprobs differ from transformers' by {vllm_diff}"
     assert mega_diff <= MEGATRON_TOL, f"transformers' logprobs differ from Megatron's: {mega_diff}"
-    return {"params_equal_fresh": len(got), "params_equal_checkpoint": compared,
-            "tokens": out["tokens"], "max_logprob_diff_vllm_hf": vllm_diff,
-            "max_logprob_diff_hf_megatron": mega_diff, "version": out["version"]}
+    return result | {"tokens": tokens, "max_logprob_diff_vllm_hf": vllm_diff,
+                     "max_logprob_diff_hf_megatron": mega_diff,
+                     "version": engine.weight_version()}
+
+
+def log_refit(step: int, stats, total: float, every: list, sources: list[int]) -> None:
+    log(f"  refit v{step} {stats.nbytes / 1e6:.2f} MB end to end {total * 1e3:.0f} ms, engine "
+        f"paused meanwhile ({stats.nbytes / total / 1e9:.3f} GB/s)")
+    for r in sources:
+        log(f"  trainer rank {r} (source): {every[r][0].summary()}")
+    for r, t in sorted(stats.receivers.items()):
+        log(f"  engine worker (refit rank {r}): v{step} received + loaded in "
+            f"{t['seconds'] * 1e3:.0f} ms (broadcast wait {t['wait_s'] * 1e3:.0f} ms, "
+            f"load_weights + post-load {t['load_s'] * 1e3:.0f} ms)")
 
 
 def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--moe", action="store_true", help="Qwen3-MoE on PP2 x EP2 (x DP2)")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--engine", choices=KINDS, default="serve",
+                        help="serve: a `vllm serve` server over HTTP; local: an in-process LLM")
+    parser.add_argument("--pause", choices=PAUSE_MODES, default="keep",
+                        help="what a refit's pause does to requests in flight")
     parser.add_argument("--result", help="rank 0 writes the checks' results here (JSON)")
     args = parser.parse_args(argv)
     layout = MOE if args.moe else DENSE
@@ -156,65 +196,67 @@ def main(argv: list[str] | None = None) -> dict | None:
         f"{len(plan.buckets)} buckets, sources {sorted({b.source_rank for b in plan.buckets})}")
     workdir = Path(tempfile.mkdtemp(prefix="megatron_refit_")) if rank == 0 else None
     full = gather_full(source, plan)
-    engine = joining = None
-    port = [None]
+    with contextlib.ExitStack() as stack:
+        engine = fleet = joining = None
+        if rank == 0:
+            write_checkpoint(full, layout, str(workdir / "v0"))
+            t1 = time.perf_counter()
+            engine = stack.enter_context(open_engine(args.engine, str(workdir / "v0"), workdir))
+            before = greedy(engine)[0]
+            log(f"{args.engine} engine {engine.name} up in {time.perf_counter() - t1:.1f}s "
+                f"({engine.num_workers()} worker(s), weight version {engine.weight_version()}); "
+                f"greedy before training: {before}")
+            fleet = EngineFleet([engine])
+            port = free_port()
+            joining = fleet.join_async("127.0.0.1", port, trainers, timeout_s=config.timeout_s)
+            wire = [port, fleet.world_size(trainers)]
+        else:
+            wire = [None, None]
+        dist.broadcast_object_list(wire, src=0)
+        t1 = time.perf_counter()
+        group = RefitGroup(host="127.0.0.1", port=wire[0], rank=rank, world_size=wire[1],
+                           num_trainers=trainers, timeout_s=config.timeout_s, device="cpu")
+        sender = RefitSender.setup(group, plan)
+        if joining is not None:
+            joining.result(config.timeout_s)
+            log(f"refit group of {trainers} trainers + {wire[1] - trainers} engine worker(s) set "
+                f"up in {time.perf_counter() - t1:.2f}s; the engine vetted the plan")
+        sources, losses = sorted({b.source_rank for b in plan.buckets}), []
+        for step in range(1, args.steps + 1):
+            t1 = time.perf_counter()
+            loss = train_step(model, opt, step)
+            train_s = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            if fleet is not None:
+                stats = fleet.refit(lambda s=step: sender.refit(source, version=s), step,
+                                    args.pause)
+            else:
+                stats = sender.refit(source, version=step)
+            total = time.perf_counter() - t1
+            every = [None] * trainers
+            dist.all_gather_object(every, (stats, loss))
+            losses.append(every[-1][1])
+            full = gather_full(source, plan)  # the expected weights, by the plain route
+            log(f"step {step}: train {train_s:.2f}s, loss {every[-1][1]:.4f}")
+            if rank == 0:
+                log_refit(step, stats, total, every, sources)
+                write_checkpoint(full, layout, str(workdir / f"v{step}"))
+                log(f"  greedy: {check_step(engine, str(workdir / f'v{step}'), step)}")
+        tokens = [greedy(engine)[0] if engine else None]
+        dist.broadcast_object_list(tokens, src=0)
+        mega = [megatron_logprobs(model, [p + t for p, t in zip(PROMPTS, tokens[0], strict=True)],
+                                  [len(p) for p in PROMPTS])]
+        dist.broadcast_object_list(mega, src=trainers - 1)  # the last rank is on the last stage
+        result = None
+        if rank == 0:
+            t1 = time.perf_counter()
+            result = final_checks(engine, args.engine, str(workdir / f"v{args.steps}"), mega[0])
+            result |= {"layout": layout.label, "steps": args.steps, "tokens_before": before,
+                       "losses": losses, "engine": args.engine}
+            log(f"checks passed in {time.perf_counter() - t1:.1f}s: {json.dumps(result)}")
+            if args.result:
+                Path(args.result).write_text(json.dumps(result))
     if rank == 0:
-        write_checkpoint(full, layout, str(workdir / "v0"))
-        t1 = time.perf_counter()
-        engine = EngineProcess(EngineConfig(model=str(workdir / "v0"), llm_kwargs=LLM_KWARGS))
-        before = engine.call("generate", PROMPTS, NEW_TOKENS)["tokens"]
-        log(f"engine up in {time.perf_counter() - t1:.1f}s; greedy before training: {before}")
-        port = [free_port()]
-        joining = engine.submit("join", "127.0.0.1", port[0], trainers, trainers + 1, trainers,
-                                120.0)
-    dist.broadcast_object_list(port, src=0)
-    t1 = time.perf_counter()
-    group = RefitGroup(host="127.0.0.1", port=port[0], rank=rank, world_size=trainers + 1,
-                       num_trainers=trainers, timeout_s=config.timeout_s, device="cpu")
-    sender = RefitSender.setup(group, plan)
-    if joining is not None:
-        log(f"refit group of {trainers} trainers + 1 engine set up in "
-            f"{time.perf_counter() - t1:.2f}s; engine vetted the plan: {joining.result(300)}")
-    sources, losses = sorted({b.source_rank for b in plan.buckets}), []
-    for step in range(1, args.steps + 1):
-        t1 = time.perf_counter()
-        loss = train_step(model, opt, step)
-        train_s = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        pending = engine.submit("refit") if engine else None
-        stats = sender.refit(source, version=step)
-        answer = pending.result(300) if pending else None
-        total = time.perf_counter() - t1
-        every = [None] * trainers
-        dist.all_gather_object(every, (stats, loss))
-        losses.append(every[-1][1])
-        log(f"step {step}: train {train_s:.2f}s, loss {every[-1][1]:.4f}; refit v{step} "
-            f"{plan.total_bytes / 1e6:.2f} MB end to end {total * 1e3:.0f} ms "
-            f"({plan.total_bytes / total / 1e9:.3f} GB/s)")
-        for r in sources:
-            log(f"  trainer rank {r} (source): {every[r][0].summary()}")
-        if answer is not None:
-            log(f"  engine: v{answer['version']} received + loaded in {answer['seconds'] * 1e3:.0f}"
-                f" ms (broadcast wait {answer['wait_s'] * 1e3:.0f} ms, load_weights "
-                f"{answer['load_s'] * 1e3:.0f} ms); answer {answer}")
-            log(f"  greedy: {engine.call('generate', PROMPTS, NEW_TOKENS)['tokens']}")
-    full = gather_full(source, plan)  # the expected weights, by the plain route again
-    tokens = [engine.call("generate", PROMPTS, NEW_TOKENS)["tokens"] if engine else None]
-    dist.broadcast_object_list(tokens, src=0)
-    mega = [megatron_logprobs(model, [p + t for p, t in zip(PROMPTS, tokens[0], strict=True)],
-                              [len(p) for p in PROMPTS])]
-    dist.broadcast_object_list(mega, src=trainers - 1)  # the last rank is on the last stage
-    result = None
-    if rank == 0:
-        write_checkpoint(full, layout, str(workdir / f"v{args.steps}"))
-        t1 = time.perf_counter()
-        result = final_checks(engine, str(workdir / f"v{args.steps}"), mega[0])
-        result |= {"layout": layout.label, "steps": args.steps, "tokens_before": before,
-                   "losses": losses}
-        log(f"checks passed in {time.perf_counter() - t1:.1f}s: {json.dumps(result)}")
-        if args.result:
-            Path(args.result).write_text(json.dumps(result))
-        engine.close()
         shutil.rmtree(workdir, ignore_errors=True)
     group.destroy()
     dist.barrier()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.engine import EngineError
+from common.engine_client import EngineError, EngineFleet
 from common.group import free_port
 from tests.dtensor.shard import Case, bias_names, build_unsharded, shard_model
 from tests.multiproc import run_ranks
@@ -108,25 +108,28 @@ def trainer_job(rank: int, world: int, port: int, case: Case, steps: list[int], 
 
 
 def refit_round(engines, case: Case, mode: str, steps: list[int], out_dir: str | Path):
-    """Engines join as ranks T..; trainers train and refit. Returns (trainers, engine answers)."""
+    """Engines join as ranks T..; trainers train and refit; the test process drives each engine
+    through pause -> refit -> finish -> resume. Returns (trainers, engine answers)."""
     port = free_port()
-    world = case.trainers + len(engines)
-    joins = [e.submit("join", "127.0.0.1", port, case.trainers + i, world, case.trainers, 120.0)
-             for i, e in enumerate(engines)]
+    fleet = EngineFleet(engines)
+    world = fleet.world_size(case.trainers)
+    joins = fleet.join_async("127.0.0.1", port, case.trainers, timeout_s=120.0).futures
     answers: list[list] = [[] for _ in engines]
 
     def drive(i: int) -> None:
         try:
-            answers[i].append(("join", joins[i].result(300)))
+            joins[i].result(300)
+            answers[i].append(("join", None))
         except EngineError as e:
             answers[i].append(("join-error", str(e)))
             return
         if mode == "kill_engine":  # the engine dies before the refit reaches it
             engines[i].kill()
             return
-        for _ in steps:
+        for step in steps:
             try:
-                answers[i].append(("refit", engines[i].call("refit", timeout_s=300)))
+                EngineFleet([engines[i]]).refit(lambda: None, step)  # trainers send elsewhere
+                answers[i].append(("refit", step))
             except EngineError as e:
                 answers[i].append(("refit-error", str(e)))
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine import EngineError, EngineProcess
+from common.engine_client import EngineError
 from recipes.vllm_checks import compare_params
 from tests.dtensor.shard import Case
 from tests.vllm.harness import initial_checkpoint, refit_round
-from tests.vllm.helpers import PROMPTS, engine_config, expected_params
+from tests.vllm.helpers import expected_params, greedy, start_engine
 
 pytestmark = pytest.mark.slow
 CASE = Case("qwen3", dp=2, model_dtype=torch.float32)
@@ -21,40 +21,43 @@ CASE = Case("qwen3", dp=2, model_dtype=torch.float32)
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     start = initial_checkpoint(CASE, tmp_path_factory.mktemp("qwen3_start"))
-    started = [EngineProcess(engine_config(start)) for _ in range(2)]
+    started = [start_engine(start) for _ in range(2)]
     yield started
     for engine in started:
         engine.close()
 
 
 def test_two_training_steps_refit_and_match_a_fresh_engine(engines, tmp_path) -> None:
-    before = engines[0].call("generate", PROMPTS, 8)
+    before = greedy(engines[0])
+    assert engines[0].weight_version() == "0"  # the starting checkpoint
     results, answers = refit_round(engines, CASE, "ok", [1, 2], tmp_path)
     assert all(v == [("ok", 1), ("ok", 2)] for v in results.values()), results
     for answer in answers:
-        assert [a[0] for a in answer] == ["join", "refit", "refit"], answer
-        assert [a[1]["version"] for a in answer[1:]] == [1, 2]
+        assert answer == [("join", None), ("refit", 1), ("refit", 2)], answer
     want = expected_params(tmp_path / "v2")
-    with EngineProcess(engine_config(str(tmp_path / "v2"))) as fresh:
-        ref = fresh.call("generate", PROMPTS, 8)
+    with start_engine(str(tmp_path / "v2")) as fresh:
+        ref = greedy(fresh)
     for engine in engines:
-        assert engine.call("status") == {"version": 2, "complete": True}
-        compared = compare_params(engine.call("read"), want)
+        assert engine.weight_version() == "2" and engine.failed is None
+        compared = compare_params(engine.read(), want)
         assert compared >= 10, f"only {compared} readable params compared"  # norms, embed..
-        got = engine.call("generate", PROMPTS, 8)
-        assert got["tokens"] == ref["tokens"] and got["logprobs"] == ref["logprobs"]
+        got = greedy(engine)
+        assert got == ref
         assert got["tokens"] != before["tokens"]
+        (out,) = engine.generate([[1, 2, 3]], 4)
+        assert out.weight_versions == [("2", 0, 4)]
 
 
 def test_engine_refuses_a_plan_its_model_cannot_take_and_keeps_serving(engines, tmp_path):
-    before = [e.call("generate", PROMPTS, 8) for e in engines]
+    before = [greedy(e) for e in engines]
     results, answers = refit_round(engines, CASE, "wrong_shape", [3], tmp_path)
     for value in results.values():
         assert value[0][0] == "PlanMismatchError", value
         assert "[7, 7]" in value[0][1] and "checkpoint shape" in value[0][1], value
     for engine, answer, old in zip(engines, answers, before, strict=True):
         assert answer[0][0] == "join-error" and "[7, 7]" in answer[0][1]
-        assert engine.call("generate", PROMPTS, 8) == old
+        assert greedy(engine) == old
+        assert engine.weight_version() == "2"
 
 
 def test_failed_refit_holds_generation_until_a_complete_refit_lands(engines, tmp_path):
@@ -64,16 +67,19 @@ def test_failed_refit_holds_generation_until_a_complete_refit_lands(engines, tmp
         assert "model.norm.weight" in value[0][1]
     for engine, answer in zip(engines, answers, strict=True):
         assert answer[1][0] == "refit-error" and "model.norm.weight" in answer[1][1]
-        assert engine.call("status")["complete"] is False
-        with pytest.raises(EngineError, match="incomplete refit"):
-            engine.call("generate", PROMPTS, 8)
+        assert "last complete version" in answer[1][1] and "v2" in answer[1][1], answer
+        assert engine.failed is not None and engine.weight_version() == "2"
+        with pytest.raises(EngineError, match="refusing to resume.*v4 failed"):
+            engine.resume()
+        with pytest.raises(EngineError, match="paused"):
+            engine.generate([[1, 2, 3]], 4)
     results, answers = refit_round(engines, CASE, "ok", [5], tmp_path)
     assert all(v == [("ok", 5)] for v in results.values()), results
     want = expected_params(tmp_path / "v5")
     for engine in engines:
-        assert engine.call("status") == {"version": 5, "complete": True}
-        assert compare_params(engine.call("read"), want) >= 10
-        assert len(engine.call("generate", PROMPTS, 8)["tokens"]) == len(PROMPTS)
+        assert engine.weight_version() == "5" and engine.failed is None
+        assert compare_params(engine.read(), want) >= 10
+        assert len(greedy(engine)["tokens"]) == 3
 
 
 def test_fsdp_x_tp_trainers_refit_both_engines_like_a_fresh_engine(engines, tmp_path):
@@ -81,9 +87,8 @@ def test_fsdp_x_tp_trainers_refit_both_engines_like_a_fresh_engine(engines, tmp_
     results, answers = refit_round(engines, case, "ok", [6], tmp_path)
     assert all(v == [("ok", 6)] for v in results.values()), results
     want = expected_params(tmp_path / "v6")
-    with EngineProcess(engine_config(str(tmp_path / "v6"))) as fresh:
-        ref = fresh.call("generate", PROMPTS, 8)
+    with start_engine(str(tmp_path / "v6")) as fresh:
+        ref = greedy(fresh)
     for engine in engines:
-        assert compare_params(engine.call("read"), want) >= 10
-        got = engine.call("generate", PROMPTS, 8)
-        assert got["tokens"] == ref["tokens"] and got["logprobs"] == ref["logprobs"]
+        assert compare_params(engine.read(), want) >= 10
+        assert greedy(engine) == ref

@@ -7,20 +7,19 @@ import time
 import pytest
 import torch
 
-from common.engine import EngineProcess
 from tests.dtensor.shard import Case
 from tests.vllm.harness import initial_checkpoint, refit_round
-from tests.vllm.helpers import engine_config
+from tests.vllm.helpers import start_engine
 
 pytestmark = pytest.mark.slow
 
 
 def test_trainers_raise_when_the_engine_dies(tmp_path) -> None:
     case = Case("qwen3", dp=2, model_dtype=torch.float32)
-    engine = EngineProcess(engine_config(initial_checkpoint(case, tmp_path / "start")))
+    engine = start_engine(initial_checkpoint(case, tmp_path / "start"))
     t0 = time.monotonic()
     results, answers = refit_round([engine], case, "kill_engine", [1], tmp_path)
-    assert answers[0][0][0] == "join", answers
+    assert answers[0] == [("join", None)], answers
     for value in results.values():
         assert value[0][0] == "RefitCommError", value
         assert "refit v1" in value[0][1] and "trainer" in value[0][1], value

@@ -10,11 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine import EngineProcess
 from recipes.vllm_checks import compare_params
 from tests.dtensor.shard import Case
 from tests.vllm.harness import initial_checkpoint, refit_round
-from tests.vllm.helpers import PROMPTS, engine_config, expected_params
+from tests.vllm.helpers import expected_params, greedy, start_engine
 
 pytestmark = pytest.mark.slow
 CASES = {"qwen3_moe": Case("qwen3_moe", dp=2), "deepseek_v3": Case("deepseek_v3", dp=2)}
@@ -24,21 +23,21 @@ CASES = {"qwen3_moe": Case("qwen3_moe", dp=2), "deepseek_v3": Case("deepseek_v3"
 def arch_engine(request, tmp_path_factory):
     case = CASES[request.param]
     start = initial_checkpoint(case, tmp_path_factory.mktemp(request.param))
-    with EngineProcess(engine_config(start)) as engine:
+    with start_engine(start) as engine:
         yield case, engine
 
 
 def test_moe_refits_match_a_fresh_engine_and_keep_the_router_bias_fp32(arch_engine, tmp_path):
     case, engine = arch_engine
-    before = engine.call("generate", PROMPTS, 8)
+    before = greedy(engine)
     results, answers = refit_round([engine], case, "ok", [1, 2], tmp_path)
     assert all(v == [("ok", 1), ("ok", 2)] for v in results.values()), results
-    assert [a[0] for a in answers[0]] == ["join", "refit", "refit"], answers
+    assert answers[0] == [("join", None), ("refit", 1), ("refit", 2)], answers
     want = expected_params(tmp_path / "v2")
-    got = engine.call("read")
-    with EngineProcess(engine_config(str(tmp_path / "v2"))) as fresh:
-        ref = fresh.call("generate", PROMPTS, 8)
-        fresh_params = fresh.call("read")
+    got = engine.read()
+    with start_engine(str(tmp_path / "v2")) as fresh:
+        ref = greedy(fresh)
+        fresh_params = fresh.read()
     # vLLM's own layout, whatever its kernels did to it: equal to a fresh engine's, bit for bit.
     assert sorted(got) == sorted(fresh_params)
     for name, tensor in got.items():
@@ -50,6 +49,6 @@ def test_moe_refits_match_a_fresh_engine_and_keep_the_router_bias_fp32(arch_engi
     for name in biases:
         assert got[name].dtype == torch.float32 and torch.equal(got[name], want[name]), name
         assert not torch.equal(got[name], want[name].bfloat16().float()), "bias looks bf16-rounded"
-    out = engine.call("generate", PROMPTS, 8)
-    assert out["tokens"] == ref["tokens"] and out["logprobs"] == ref["logprobs"]
+    out = greedy(engine)
+    assert out == ref
     assert out["tokens"] != before["tokens"]
