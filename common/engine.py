@@ -110,6 +110,10 @@ class LocalEngine(EngineClient):
         """Copies of the engine's readable params by vLLM name (tests compare them)."""
         return self._call("read", names=names)
 
+    def backend_origin(self) -> list[dict[str, str]]:
+        """Per worker: the weight-transfer backend it runs and where its `common` lives."""
+        return self._call("backend_origin")
+
     def kill(self) -> None:
         """Kill the engine process at once (tests of a peer dying mid-refit)."""
         self._proc.kill()

@@ -26,6 +26,15 @@ def _read_params(worker: Any, names: list[str] | None) -> dict[str, torch.Tensor
     return {n: params[n].detach().cpu().clone() for n in (names or params) if params[n].numel()}
 
 
+def _backend_origin(worker: Any) -> dict[str, str]:
+    """Runs in the worker: which weight-transfer backend it built, and from which files."""
+    import common
+
+    engine = worker.weight_transfer_engine
+    return {"backend": f"{type(engine).__module__}.{type(engine).__name__}",
+            "common": os.path.dirname(os.path.abspath(common.__file__))}
+
+
 class LLMHost:
     """One `LLM(weight_transfer_config={"backend": "refit"})`; started at version "0"."""
 
@@ -42,9 +51,11 @@ class LLMHost:
         return self.llm.llm_engine.vllm_config.parallel_config.world_size_across_dp
 
     def pause(self, mode: str, clear_cache: bool) -> None:
-        self.llm.sleep(level=0, mode=mode)
-        if clear_cache:
-            self.llm.reset_prefix_cache()
+        """An offline `LLM` has no request in flight between calls, so every mode pauses
+        alike; vLLM refuses "wait" for an in-process engine core, so it pauses as "keep"."""
+        self.llm.sleep(level=0, mode="abort" if mode == "abort" else "keep")
+        if clear_cache:  # requests kept running would be re-prefilled under the new weights
+            self.llm.reset_prefix_cache(reset_running_requests=True)
         self.paused = True
 
     def resume(self) -> None:
@@ -80,6 +91,10 @@ class LLMHost:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                  use_tqdm=False)
         return [_completion(out.outputs[0]) for out in outs]
+
+    def backend_origin(self) -> list[dict[str, str]]:
+        """Per worker: the backend class and the `common` package it came from."""
+        return self.llm.collective_rpc(_backend_origin)
 
     def read(self, names: list[str] | None) -> dict[str, torch.Tensor]:
         """Worker 0's params (in this process: the worker lives here)."""

@@ -5,6 +5,8 @@ One pair of engines serves the whole module (an engine takes 10-60 s to start on
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -46,6 +48,14 @@ def test_two_training_steps_refit_and_match_a_fresh_engine(engines, tmp_path) ->
         assert got["tokens"] != before["tokens"]
         (out,) = engine.generate([[1, 2, 3]], 4)
         assert out.weight_versions == [("2", 0, 4)]
+
+
+def test_every_worker_runs_this_checkouts_backend(engines) -> None:
+    root = Path(__file__).resolve().parents[2]
+    for engine in engines:
+        for origin in engine.backend_origin():
+            assert origin == {"backend": "common.vllm_backend.RefitTransferEngine",
+                              "common": str(root / "common")}
 
 
 def test_engine_refuses_a_plan_its_model_cannot_take_and_keeps_serving(engines, tmp_path):
