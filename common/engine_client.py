@@ -218,6 +218,16 @@ class EngineFleet:
     def world_size(self, num_trainers: int) -> int:
         return num_trainers + sum(e.num_workers() for e in self.engines)
 
+    def rank_names(self, num_trainers: int) -> dict[int, str]:
+        """{refit rank: "engine NAME"} for every engine worker: pass it to every trainer's
+        `RefitGroup(rank_names=...)` so a failure names the engine behind a rank."""
+        names, rank = {}, num_trainers
+        for engine in self.engines:
+            for _ in range(engine.num_workers()):
+                names[rank] = f"engine {engine.name}"
+                rank += 1
+        return names
+
     def join_async(self, host: str, port: int, num_trainers: int, timeout_s: float = 300.0,
                    group_name: str = "refit") -> FleetFuture:
         world, offset, futures = self.world_size(num_trainers), num_trainers, []

@@ -68,6 +68,7 @@ class RefitGroup:
         timeout_s: float,
         device: torch.device | str | None = None,
         name: str = "refit",
+        rank_names: dict[int, str] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"refit group rank {rank} outside world size {world_size}")
@@ -80,6 +81,8 @@ class RefitGroup:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.name = name
+        # Who holds which ranks (e.g. {2: "engine http://host:8000", ..}), named in failures.
+        self.rank_names = dict(rank_names or {})
         timeout = timedelta(seconds=self.timeout_s)
         t0 = time.perf_counter()
         try:
@@ -130,8 +133,20 @@ class RefitGroup:
         except Exception as e:  # noqa: BLE001 - rewrap with who/where
             raise RefitCommError(
                 f"{self.who}: {what} failed after {time.perf_counter() - t0:.1f}s "
-                f"(timeout {self.timeout_s:.0f}s; a peer probably died or left the refit): {e}"
+                f"(timeout {self.timeout_s:.0f}s; a peer probably died or left the refit"
+                f"{self._members()}): {e}"
             ) from e
+
+    def _members(self) -> str:
+        """The ranks of `rank_names` as runs (e.g. `; peers: ranks 2-3 engine X`), or ""."""
+        runs: list[list] = []
+        for rank in sorted(self.rank_names):
+            if runs and runs[-1][2] == self.rank_names[rank] and runs[-1][1] == rank - 1:
+                runs[-1][1] = rank
+            else:
+                runs.append([rank, rank, self.rank_names[rank]])
+        parts = [f"rank {a} {n}" if a == b else f"ranks {a}-{b} {n}" for a, b, n in runs]
+        return f"; peers: {', '.join(parts)}" if parts else ""
 
     def _poll(self, work: dist.Work, deadline: float) -> None:
         """Host-side wait for an NCCL work with a deadline; aborts the group when it passes."""
