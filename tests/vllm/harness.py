@@ -79,6 +79,9 @@ def trainer_job(rank: int, world: int, port: int, case: Case, steps: list[int], 
         specs = source.plan_specs()
         if mode == "wrong_shape":
             specs[3] = TensorSpec(specs[3].name, (7, 7), specs[3].dtype)
+        if mode == "bias_bf16":  # the router bias declared bf16 where vLLM keeps it fp32
+            specs = [TensorSpec(s.name, s.shape, torch.bfloat16, s.source_rank)
+                     if s.name.endswith("e_score_correction_bias") else s for s in specs]
         timeout_s = 15 if mode == "kill_engine" else 120
         group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
                            num_trainers=case.trainers, timeout_s=timeout_s, device="cpu")

@@ -52,3 +52,16 @@ def test_moe_refits_match_a_fresh_engine_and_keep_the_router_bias_fp32(arch_engi
     out = greedy(engine)
     assert out == ref
     assert out["tokens"] != before["tokens"]
+
+
+def test_a_bf16_router_bias_is_refused_at_join_and_the_engine_keeps_serving(arch_engine, tmp_path):
+    case, engine = arch_engine
+    if case.arch != "deepseek_v3":
+        pytest.skip("only the DeepSeek-V3 model has an fp32 router bias")
+    before, version = greedy(engine), engine.weight_version()
+    results, answers = refit_round([engine], case, "bias_bf16", [3], tmp_path)
+    for value in results.values():
+        assert value[0][0] == "PlanMismatchError", value
+        assert "e_score_correction_bias" in value[0][1] and "keeps it as float32" in value[0][1]
+    assert answers[0][0][0] == "join-error" and "e_score_correction_bias" in answers[0][0][1]
+    assert greedy(engine) == before and engine.weight_version() == version

@@ -1,0 +1,67 @@
+"""A `vllm serve` engine with tensor parallel 2 and two data-parallel replicas (4 workers, CPU
+mp executor + gloo) in one refit group: every worker joins with its own rank, and after a
+refit each replica generates exactly what a fresh TP2 server on the new weights generates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from common.broadcast import RefitSender
+from common.config import RefitConfig
+from common.engine_client import EngineFleet
+from common.group import RefitGroup, free_port
+from common.plan import RefitPlan
+from common.serve import VllmServer
+from common.source import DictWeightSource
+from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config, timed
+
+pytestmark = pytest.mark.slow
+TP, DP = 2, 2
+
+
+def _greedy(engine, dp_rank: int | None = None) -> tuple[list, list]:
+    outs = engine.generate(PROMPTS, SHORT, data_parallel_rank=dp_rank)
+    return [o.tokens for o in outs], [o.logprobs for o in outs]
+
+
+def test_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_engine(checkpoints) -> None:
+    config = replace(serve_config(checkpoints.changed, "reference_tp2"), tensor_parallel_size=TP)
+    with VllmServer(config) as fresh:
+        with timed("fresh TP2 server: start"):
+            fresh.wait_ready()
+        want = _greedy(fresh.client(timeout_s=TIMEOUT_S))
+    config = replace(serve_config(checkpoints.start, "tp2_dp2"), tensor_parallel_size=TP,
+                     data_parallel_size=DP)
+    with VllmServer(config) as server:
+        with timed("TP2 x DP2 server: start"):
+            server.wait_ready()
+        engine = server.client(timeout_s=TIMEOUT_S)
+        assert engine.num_workers() == TP * DP
+        before = [_greedy(engine, r) for r in range(DP)]
+        assert before[0] == before[1]
+        fleet, port = EngineFleet([engine]), free_port()
+        assert fleet.rank_names(1) == {r: f"engine {server.url}" for r in range(1, 5)}
+        with timed("join: 1 trainer + 4 engine workers"):
+            joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=TIMEOUT_S)
+            group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=1 + TP * DP,
+                               num_trainers=1, timeout_s=TIMEOUT_S, device="cpu",
+                               rank_names=fleet.rank_names(1))
+            source = DictWeightSource(checkpoints.states[1])
+            sender = RefitSender.setup(group, RefitPlan.build(
+                source.plan_specs(), RefitConfig(bucket_bytes=64 << 10)))
+            joining.result(TIMEOUT_S)
+        try:
+            with timed("refit v1 into 4 workers"):
+                stats = fleet.refit(lambda: sender.refit(source, 1), 1)
+            print(f"[serve] {stats.summary()}")
+            assert sorted(stats.receivers) == [1, 2, 3, 4]  # every worker reported its times
+            assert engine.weight_version() == "1"
+            for r in range(DP):
+                got = _greedy(engine, r)
+                assert got == want, f"replica {r} differs from a fresh TP2 engine"
+                assert got[0] != before[r][0]
+        finally:
+            group.destroy()
