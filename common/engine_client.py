@@ -163,13 +163,17 @@ class EngineClient(ABC):
         return self._submit(f"joining refit group {info.group_name!r} at {info.host}:"
                             f"{info.port} as ranks {info.rank_offset}..", join)
 
-    def refit_async(self, version: int) -> Future:
-        """Start receiving refit `version` (call `pause` first); returns at once."""
+    def check_refit(self, version: int) -> None:
+        """Raise unless refit `version` can start now (none pending, newer than the engine's)."""
         if self._refit is not None:
             raise EngineError(f"engine {self.name}: refit v{self._refit[0]} is still pending")
         if self.version is not None and version <= self.version:
             raise EngineError(f"engine {self.name}: refit v{version} refused: not newer than "
                               f"v{self.version}, the version it holds")
+
+    def refit_async(self, version: int) -> Future:
+        """Start receiving refit `version` (call `pause` first); returns at once."""
+        self.check_refit(version)
 
         def refit() -> None:
             self._start()
@@ -251,6 +255,7 @@ class EngineFleet:
         finish and resume every engine; returns what `send` returned. A failure anywhere
         leaves every engine paused and raises."""
         t0 = time.perf_counter()
+        _all(self.engines, lambda e: e.check_refit(version))  # before any engine pauses
         self.pause(mode)
         for engine in self.engines:
             engine.refit_async(version)

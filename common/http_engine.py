@@ -33,7 +33,7 @@ class HttpEngine(EngineClient):
     """
 
     def __init__(self, url: str, name: str | None = None, timeout_s: float = 60.0) -> None:
-        super().__init__(name or f"http:{url}", timeout_s)
+        super().__init__(name or url.rstrip("/"), timeout_s)
         self.url = url.rstrip("/")
 
     def _call(self, method: str, route: str, timeout_s: float | None = None,
@@ -93,22 +93,25 @@ class HttpEngine(EngineClient):
         return bool(self._json("GET", "/is_paused")["is_paused"])
 
     # --- generation --------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], max_tokens: int,
-                 **sampling: Any) -> list[Completion]:
-        """One non-streaming request per prompt, in order (greedy, logprobs 1 by default)."""
-        out = []
+    def generate(self, prompts: list[list[int]], max_tokens: int, *,
+                 data_parallel_rank: int | None = None, **sampling: Any) -> list[Completion]:
+        """One non-streaming request per prompt, in order (greedy, logprobs 1 by default);
+        `data_parallel_rank` sends them to one DP replica (to compare replicas)."""
+        out, headers = [], _dp_header(data_parallel_rank)
         for prompt in prompts:
             body = {"token_ids": list(prompt), "sampling_params": _sampling(max_tokens, sampling)}
-            (choice,) = self._json("POST", GENERATE, json=body)["choices"]
+            (choice,) = self._json("POST", GENERATE, json=body, headers=headers)["choices"]
             out.append(_completion(choice))
         return out
 
-    def stream(self, prompt: list[int], max_tokens: int, **sampling: Any) -> TokenStream:
+    def stream(self, prompt: list[int], max_tokens: int, *,
+               data_parallel_rank: int | None = None, **sampling: Any) -> TokenStream:
         """A streaming request (sent now; the server answers its headers at once, even while
         paused): iterate it, or `start()` it in a thread, to follow it token by token."""
         body = {"token_ids": list(prompt), "stream": True,
                 "sampling_params": _sampling(max_tokens, sampling)}
-        response = self._call("POST", GENERATE, json=body, stream=True)
+        response = self._call("POST", GENERATE, json=body, stream=True,
+                              headers=_dp_header(data_parallel_rank))
         return TokenStream(self.name, response)
 
 
@@ -190,6 +193,10 @@ class TokenStream:
                               f"after {len(self.tokens)} tokens")
         return Completion(list(self.tokens), list(self.logprobs), self.finish_reason,
                           list(self.weight_versions))
+
+
+def _dp_header(rank: int | None) -> dict[str, str]:
+    return {} if rank is None else {"X-data-parallel-rank": str(rank)}
 
 
 def _sampling(max_tokens: int, sampling: dict[str, Any]) -> dict[str, Any]:

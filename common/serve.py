@@ -120,7 +120,6 @@ class VllmServer:
         return f"http://{self.config.host}:{self.port}"
 
     def client(self, **kwargs: object) -> HttpEngine:
-        kwargs.setdefault("name", f"serve:{Path(self.config.model).name}@{self.port}")
         return HttpEngine(self.url, **kwargs)
 
     def wait_ready(self) -> float:

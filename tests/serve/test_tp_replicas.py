@@ -30,14 +30,12 @@ def _greedy(engine, dp_rank: int | None = None) -> tuple[list, list]:
 def test_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_engine(checkpoints) -> None:
     config = replace(serve_config(checkpoints.changed, "reference_tp2"), tensor_parallel_size=TP)
     with VllmServer(config) as fresh:
-        with timed("fresh TP2 server: start"):
-            fresh.wait_ready()
+        print(f"[serve] fresh TP2 server ready in {fresh.wait_ready():.1f} s")
         want = _greedy(fresh.client(timeout_s=TIMEOUT_S))
     config = replace(serve_config(checkpoints.start, "tp2_dp2"), tensor_parallel_size=TP,
                      data_parallel_size=DP)
     with VllmServer(config) as server:
-        with timed("TP2 x DP2 server: start"):
-            server.wait_ready()
+        print(f"[serve] TP2 x DP2 server ready in {server.wait_ready():.1f} s")
         engine = server.client(timeout_s=TIMEOUT_S)
         assert engine.num_workers() == TP * DP
         before = [_greedy(engine, r) for r in range(DP)]
