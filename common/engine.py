@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from abc import abstractmethod
 from typing import Any
 
 from common.engine_client import Completion, EngineClient, EngineError, PauseMode
@@ -24,7 +25,56 @@ _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
                   "GROUP_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID")
 
 
-class LocalEngine(EngineClient):
+class HostedEngine(EngineClient):
+    """An `EngineClient` whose engine is an `LLMHost` reached by method name (`_call`): in a
+    child process (`LocalEngine`) or a Ray actor (`common.ray_engine.RayEngine`)."""
+
+    @abstractmethod
+    def _call(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """Run `LLMHost.<method>(**kwargs)` in the engine's process within `timeout_s`."""
+
+    def _num_workers(self) -> int:
+        return self._call("num_workers")
+
+    def _pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        self._call("pause", mode=mode, clear_cache=clear_cache)
+
+    def _resume(self) -> None:
+        self._call("resume")
+
+    def _init(self, info: dict[str, Any], timeout_s: float) -> None:
+        self._call("init", timeout_s + self.timeout_s, info=info)
+
+    def _start(self) -> None:
+        self._call("start")
+
+    def _update(self, info: dict[str, Any], timeout_s: float) -> None:
+        self._call("update", timeout_s + self.timeout_s, info=info)
+
+    def _finish(self, version: str) -> None:
+        self._call("finish", version=version)
+
+    def _get_version(self) -> str:
+        return self._call("get_version")
+
+    def _set_version(self, version: str) -> None:
+        self._call("set_version", version=version)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int,
+                 **sampling: Any) -> list[Completion]:
+        outs = self._call("generate", prompts=prompts, max_tokens=max_tokens, sampling=sampling)
+        return [Completion(**out) for out in outs]
+
+    def read(self, names: list[str] | None = None) -> dict:
+        """Copies of the engine's readable params by vLLM name (tests compare them)."""
+        return self._call("read", names=names)
+
+    def backend_origin(self) -> list[dict[str, str]]:
+        """Per worker: the weight-transfer backend it runs and where its `common` lives."""
+        return self._call("backend_origin")
+
+
+class LocalEngine(HostedEngine):
     """One vLLM engine in a child process (module docstring)."""
 
     def __init__(self, config: EngineConfig, name: str | None = None,
@@ -73,46 +123,6 @@ class LocalEngine(EngineClient):
             return value
         kind, message, trace = value
         raise EngineError(f"engine {self.name}: {method!r} failed: {kind}: {message}\n{trace}")
-
-    def _num_workers(self) -> int:
-        return self._call("num_workers")
-
-    def _pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        self._call("pause", mode=mode, clear_cache=clear_cache)
-
-    def _resume(self) -> None:
-        self._call("resume")
-
-    def _init(self, info: dict[str, Any], timeout_s: float) -> None:
-        self._call("init", timeout_s + self.timeout_s, info=info)
-
-    def _start(self) -> None:
-        self._call("start")
-
-    def _update(self, info: dict[str, Any], timeout_s: float) -> None:
-        self._call("update", timeout_s + self.timeout_s, info=info)
-
-    def _finish(self, version: str) -> None:
-        self._call("finish", version=version)
-
-    def _get_version(self) -> str:
-        return self._call("get_version")
-
-    def _set_version(self, version: str) -> None:
-        self._call("set_version", version=version)
-
-    def generate(self, prompts: list[list[int]], max_tokens: int,
-                 **sampling: Any) -> list[Completion]:
-        outs = self._call("generate", prompts=prompts, max_tokens=max_tokens, sampling=sampling)
-        return [Completion(**out) for out in outs]
-
-    def read(self, names: list[str] | None = None) -> dict:
-        """Copies of the engine's readable params by vLLM name (tests compare them)."""
-        return self._call("read", names=names)
-
-    def backend_origin(self) -> list[dict[str, str]]:
-        """Per worker: the weight-transfer backend it runs and where its `common` lives."""
-        return self._call("backend_origin")
 
     def kill(self) -> None:
         """Kill the engine process at once (tests of a peer dying mid-refit)."""

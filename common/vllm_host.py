@@ -1,9 +1,10 @@
 """Host of one vLLM `LLM` with the `refit` backend, inside the process that runs it.
 
-`LLMHost` is what `common.engine.LocalEngine` runs in its child process (and what an actor
-can host): vLLM's own weight-transfer methods, pause / resume (`sleep(level=0, mode)` /
-`wake_up(["scheduling"])`, the offline `LLM`'s pause), weight versions, generation and a
-read-back of params for tests. It imports vllm: only engine processes import it.
+`LLMHost` is what `common.engine.LocalEngine` runs in its child process and what
+`common.ray_engine.RayEngine` runs as a Ray actor: vLLM's own weight-transfer methods, pause
+and resume (`sleep(level=0, mode)` / `wake_up(["scheduling"])`, the offline `LLM`'s pause),
+weight versions, generation and a read-back of params for tests. It imports vllm inside its
+methods only: the process that builds an `LLMHost` is an engine process.
 """
 
 from __future__ import annotations
@@ -17,6 +18,15 @@ import torch
 from common.engine_config import EngineConfig
 
 _PAUSED = "engine is paused for a weight update: resume it before generating"
+
+
+def _configure_process(config: EngineConfig) -> None:
+    """The engine process's settings: where the worker runs, threads, the AMX workaround."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if config.in_process_worker else "1"
+    os.environ["OMP_NUM_THREADS"] = str(config.threads)
+    torch.set_num_threads(config.threads)
+    if config.disable_cpu_amx:
+        os.environ["REFIT_DISABLE_CPU_AMX"] = "1"  # applied by refit_vllm_plugin
 
 
 def _read_params(worker: Any, names: list[str] | None) -> dict[str, torch.Tensor]:
@@ -39,6 +49,7 @@ class LLMHost:
     """One `LLM(weight_transfer_config={"backend": "refit"})`; started at version "0"."""
 
     def __init__(self, config: EngineConfig) -> None:
+        _configure_process(config)  # before vllm is imported
         from vllm import LLM
 
         kwargs = {"skip_tokenizer_init": True, "enforce_eager": True, **config.llm_kwargs}
@@ -112,12 +123,6 @@ def _completion(seq: Any) -> dict[str, Any]:
 def serve(conn: Any, config: EngineConfig) -> None:
     """Entry point of `LocalEngine`'s child process: build the host, then answer calls
     `(method, kwargs)` with `("ok", value)` or `("error", (type, message, traceback))`."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if config.in_process_worker else "1"
-    os.environ["OMP_NUM_THREADS"] = str(config.threads)
-    torch.set_num_threads(config.threads)
-    if config.disable_cpu_amx:
-        os.environ["REFIT_DISABLE_CPU_AMX"] = "1"  # applied by refit_vllm_plugin
-
     def fail(e: BaseException) -> None:
         conn.send(("error", (type(e).__name__, str(e), traceback.format_exc())))
 
