@@ -400,13 +400,19 @@ class RefitReceiver(_Endpoint):
                 error.__cause__ = e
             stats.load_s += time.perf_counter() - t1
         if on_done is not None:
-            t1 = time.perf_counter()
-            try:
-                on_done()
-            except Exception as e:  # noqa: BLE001 - reported to every rank
-                if error is None:
-                    error = RefitError(f"{self.group.who}: finishing refit v{stats.version} "
-                                       f"failed: {type(e).__name__}: {e}")
-                    error.__cause__ = e
-            stats.load_s += time.perf_counter() - t1
+            error = self._run_on_done(on_done, stats, error)
         return self.finish(stats, error, t0)
+
+    def _run_on_done(self, on_done: Callable[[], None], stats: RefitStats,
+                     error: BaseException | None) -> BaseException | None:
+        """`on_done()`, timed as loading; the refit's first error (its own, or this one)."""
+        t1 = time.perf_counter()
+        try:
+            on_done()
+        except Exception as e:  # noqa: BLE001 - reported to every rank
+            if error is None:
+                error = RefitError(f"{self.group.who}: finishing refit v{stats.version} "
+                                   f"failed: {type(e).__name__}: {e}")
+                error.__cause__ = e
+        stats.load_s += time.perf_counter() - t1
+        return error

@@ -175,8 +175,11 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                                      on_done=finalize, version=version)
         finally:
             if not finalized:  # the group failed mid-refit: close the reload session anyway
-                finalize_layerwise_reload(model, self.model_config)
-                _redo_cpu_moe_prepack(model)
+                try:
+                    finalize_layerwise_reload(model, self.model_config)
+                    _redo_cpu_moe_prepack(model)
+                except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
+                    log.exception("closing the reload session of failed refit v%d", version)
         self.last_version, self.landed = version, True
         log.info("%s: refit v%d landed in %.1f ms (wait %.1f ms, load %.1f ms)",
                  receiver.group.who, version, (time.perf_counter() - t0) * 1e3,

@@ -61,6 +61,29 @@ def greedy(engine) -> tuple[list[list[int]], list[list[float]]]:
     return [o.tokens for o in outs], [o.logprobs for o in outs]
 
 
+def train_and_refit(args, model, source, sender, fleet: EngineFleet | None) -> None:
+    """Every rank: AdamW steps on random tokens, a refit after each (rank 0 drives the engine:
+    pause, refit, finish as version `step`, resume)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for step in range(1, args.steps + 1):
+        tokens = torch.randint(0, model.config.vocab_size, (4, 32), generator=g)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if fleet is None:
+            sender.refit(source, version=step)
+            continue
+        t0 = time.perf_counter()
+        stats = fleet.refit(lambda s=step: sender.refit(source, version=s), step, args.pause)
+        paused = time.perf_counter() - t0
+        engine = fleet.engines[0]
+        print(f"[recipe] step {step} loss {loss.item():.3f} | {stats.summary()} | paused "
+              f"{paused * 1e3:.0f} ms | v{engine.weight_version()} tokens "
+              f"{greedy(engine)[0]}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
@@ -98,23 +121,7 @@ def main() -> None:
         if join is not None:
             join.result(120)
             print(f"[recipe] engine joined the refit group (world {size[0]})", flush=True)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        g = torch.Generator().manual_seed(rank)
-        for step in range(1, args.steps + 1):
-            tokens = torch.randint(0, model.config.vocab_size, (4, 32), generator=g)
-            loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if fleet is None:
-                sender.refit(source, version=step)
-                continue
-            t0 = time.perf_counter()
-            stats = fleet.refit(lambda s=step: sender.refit(source, version=s), step, args.pause)
-            paused = time.perf_counter() - t0
-            print(f"[recipe] step {step} loss {loss.item():.3f} | {stats.summary()} | paused "
-                  f"{paused * 1e3:.0f} ms | v{engine.weight_version()} tokens "
-                  f"{greedy(engine)[0]}", flush=True)
+        train_and_refit(args, model, source, sender, fleet)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         if rank == 0:
             save_bf16(full, str(workdir / f"v{args.steps}"))

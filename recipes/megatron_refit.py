@@ -109,13 +109,22 @@ def greedy(engine: EngineClient) -> tuple[list[list[int]], list[list[float]]]:
     return [o.tokens for o in outs], [o.logprobs for o in outs]
 
 
-def check_step(engine: EngineClient, ckpt: str, step: int) -> list[list[int]]:
-    """After refit `step`: the engine reports the version and its logprobs match transformers'
-    on the expected weights (written independently of the refit path)."""
+def check_step(engine: EngineClient, ckpt: str, step: int, moe: bool) -> list[list[int]]:
+    """After refit `step`, against that step's checkpoint (written independently of the refit
+    path): the engine reports the version; a local engine's readable params equal the
+    checkpoint's bit for bit; dense models' logprobs match transformers' (MoE top-k routing in
+    bf16 vs fp32 may flip near-ties: the end's fresh-engine comparison covers MoE exactly)."""
+    from safetensors.torch import load_file
+
+    from recipes.vllm_checks import compare_params, vllm_layout
+
     assert engine.weight_version() == str(step), engine.weight_version()
+    if hasattr(engine, "read"):
+        compare_params(engine.read(), vllm_layout(load_file(f"{ckpt}/model.safetensors")))
     tokens, logprobs = greedy(engine)
-    diff = max_diff(hf_logprobs(ckpt, PROMPTS, tokens), logprobs)
-    assert diff <= VLLM_TOL, f"step {step}: vLLM logprobs differ from transformers' by {diff}"
+    if not moe:
+        diff = max_diff(hf_logprobs(ckpt, PROMPTS, tokens), logprobs)
+        assert diff <= VLLM_TOL, f"step {step}: vLLM logprobs differ from transformers' by {diff}"
     return tokens
 
 
@@ -159,7 +168,7 @@ def log_refit(step: int, stats, total: float, every: list, sources: list[int]) -
             f"load_weights + post-load {t['load_s'] * 1e3:.0f} ms)")
 
 
-def main(argv: list[str] | None = None) -> dict | None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--moe", action="store_true", help="Qwen3-MoE on PP2 x EP2 (x DP2)")
     parser.add_argument("--steps", type=int, default=3)
@@ -168,18 +177,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--pause", choices=PAUSE_MODES, default="keep",
                         help="what a refit's pause does to requests in flight")
     parser.add_argument("--result", help="rank 0 writes the checks' results here (JSON)")
-    args = parser.parse_args(argv)
-    layout = MOE if args.moe else DENSE
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # no TE / apex
-    warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engine process inherits it
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from recipes import mcore_cpu_shim  # torch.cuda stand-ins megatron-core needs on CPU
+    return parser.parse_args(argv)
 
-    mcore_cpu_shim.install()
-    dist.init_process_group("gloo")
-    rank, trainers = dist.get_rank(), dist.get_world_size()
+
+def build(layout: Layout):
+    """Every rank: its Megatron chunk (randomised), optimizer, weight source and the plan."""
     from mcore_refit import MegatronWeightSource, converter_for
 
     t0 = time.perf_counter()
@@ -191,13 +193,80 @@ def main(argv: list[str] | None = None) -> dict | None:
                                   dtype=torch.bfloat16)
     config = RefitConfig.from_env(bucket_bytes=256 << 10, num_buffers=2, timeout_s=120)
     plan = RefitPlan.build(source.plan_specs(), config)
-    log(f"{layout.label} on {trainers} ranks built in {time.perf_counter() - t0:.1f}s; plan "
-        f"{plan.digest[:12]}: {len(plan.specs)} tensors, {plan.total_bytes / 1e6:.2f} MB bf16, "
-        f"{len(plan.buckets)} buckets, sources {sorted({b.source_rank for b in plan.buckets})}")
+    log(f"{layout.label} on {dist.get_world_size()} ranks built in "
+        f"{time.perf_counter() - t0:.1f}s; plan {plan.digest[:12]}: {len(plan.specs)} tensors, "
+        f"{plan.total_bytes / 1e6:.2f} MB bf16, {len(plan.buckets)} buckets, sources "
+        f"{sorted({b.source_rank for b in plan.buckets})}")
+    return model, opt, source, plan
+
+
+def connect(fleet: EngineFleet | None, plan: RefitPlan) -> tuple[RefitGroup, RefitSender]:
+    """Every rank: the refit group of the trainers and the engine's workers (rank 0 has the
+    engine join meanwhile, and shares the port, the world size and who holds which rank)."""
+    trainers, timeout_s = dist.get_world_size(), plan.config.timeout_s
+    t0, joining, wire = time.perf_counter(), None, [None, None, None]
+    if fleet is not None:
+        port = free_port()
+        joining = fleet.join_async("127.0.0.1", port, trainers, timeout_s=timeout_s)
+        wire = [port, fleet.world_size(trainers), fleet.rank_names(trainers)]
+    dist.broadcast_object_list(wire, src=0)
+    group = RefitGroup(host="127.0.0.1", port=wire[0], rank=dist.get_rank(), world_size=wire[1],
+                       num_trainers=trainers, timeout_s=timeout_s, device="cpu",
+                       rank_names=wire[2])
+    sender = RefitSender.setup(group, plan)
+    if joining is not None:
+        joining.result(timeout_s)
+        log(f"refit group of {trainers} trainers + {wire[1] - trainers} engine worker(s) set "
+            f"up in {time.perf_counter() - t0:.2f}s; the engine vetted the plan")
+    return group, sender
+
+
+def train_and_refit(args, layout, model, opt, source, plan, sender, fleet, workdir) -> list:
+    """Every rank: a training step, then a refit (rank 0: through the fleet: pause, refit,
+    finish as version `step`, resume), then the step's checks on rank 0. Returns the losses."""
+    trainers, losses = dist.get_world_size(), []
+    sources = sorted({b.source_rank for b in plan.buckets})
+    for step in range(1, args.steps + 1):
+        t1 = time.perf_counter()
+        loss = train_step(model, opt, step)
+        train_s = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        if fleet is not None:
+            stats = fleet.refit(lambda s=step: sender.refit(source, version=s), step, args.pause)
+        else:
+            stats = sender.refit(source, version=step)
+        total = time.perf_counter() - t1
+        every = [None] * trainers
+        dist.all_gather_object(every, (stats, loss))
+        losses.append(every[-1][1])
+        full = gather_full(source, plan)  # the expected weights, by the plain route
+        log(f"step {step}: train {train_s:.2f}s, loss {every[-1][1]:.4f}")
+        if fleet is not None:
+            log_refit(step, stats, total, every, sources)
+            write_checkpoint(full, layout, str(workdir / f"v{step}"))
+            engine = fleet.engines[0]
+            log(f"  greedy: {check_step(engine, str(workdir / f'v{step}'), step, layout.moe)}")
+    return losses
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    args = parse_args(argv)
+    layout = MOE if args.moe else DENSE
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # no TE / apex
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engine process inherits it
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from recipes import mcore_cpu_shim  # torch.cuda stand-ins megatron-core needs on CPU
+
+    mcore_cpu_shim.install()
+    dist.init_process_group("gloo")
+    rank, trainers = dist.get_rank(), dist.get_world_size()
+    model, opt, source, plan = build(layout)
     workdir = Path(tempfile.mkdtemp(prefix="megatron_refit_")) if rank == 0 else None
     full = gather_full(source, plan)
+    result = engine = fleet = None
     with contextlib.ExitStack() as stack:
-        engine = fleet = joining = None
         if rank == 0:
             write_checkpoint(full, layout, str(workdir / "v0"))
             t1 = time.perf_counter()
@@ -207,47 +276,13 @@ def main(argv: list[str] | None = None) -> dict | None:
                 f"({engine.num_workers()} worker(s), weight version {engine.weight_version()}); "
                 f"greedy before training: {before}")
             fleet = EngineFleet([engine])
-            port = free_port()
-            joining = fleet.join_async("127.0.0.1", port, trainers, timeout_s=config.timeout_s)
-            wire = [port, fleet.world_size(trainers)]
-        else:
-            wire = [None, None]
-        dist.broadcast_object_list(wire, src=0)
-        t1 = time.perf_counter()
-        group = RefitGroup(host="127.0.0.1", port=wire[0], rank=rank, world_size=wire[1],
-                           num_trainers=trainers, timeout_s=config.timeout_s, device="cpu")
-        sender = RefitSender.setup(group, plan)
-        if joining is not None:
-            joining.result(config.timeout_s)
-            log(f"refit group of {trainers} trainers + {wire[1] - trainers} engine worker(s) set "
-                f"up in {time.perf_counter() - t1:.2f}s; the engine vetted the plan")
-        sources, losses = sorted({b.source_rank for b in plan.buckets}), []
-        for step in range(1, args.steps + 1):
-            t1 = time.perf_counter()
-            loss = train_step(model, opt, step)
-            train_s = time.perf_counter() - t1
-            t1 = time.perf_counter()
-            if fleet is not None:
-                stats = fleet.refit(lambda s=step: sender.refit(source, version=s), step,
-                                    args.pause)
-            else:
-                stats = sender.refit(source, version=step)
-            total = time.perf_counter() - t1
-            every = [None] * trainers
-            dist.all_gather_object(every, (stats, loss))
-            losses.append(every[-1][1])
-            full = gather_full(source, plan)  # the expected weights, by the plain route
-            log(f"step {step}: train {train_s:.2f}s, loss {every[-1][1]:.4f}")
-            if rank == 0:
-                log_refit(step, stats, total, every, sources)
-                write_checkpoint(full, layout, str(workdir / f"v{step}"))
-                log(f"  greedy: {check_step(engine, str(workdir / f'v{step}'), step)}")
+        group, sender = connect(fleet, plan)
+        losses = train_and_refit(args, layout, model, opt, source, plan, sender, fleet, workdir)
         tokens = [greedy(engine)[0] if engine else None]
         dist.broadcast_object_list(tokens, src=0)
         mega = [megatron_logprobs(model, [p + t for p, t in zip(PROMPTS, tokens[0], strict=True)],
                                   [len(p) for p in PROMPTS])]
         dist.broadcast_object_list(mega, src=trainers - 1)  # the last rank is on the last stage
-        result = None
         if rank == 0:
             t1 = time.perf_counter()
             result = final_checks(engine, args.engine, str(workdir / f"v{args.steps}"), mega[0])

@@ -109,15 +109,11 @@ class _SlowSource(DictWeightSource):
             yield item
 
 
-def kill_trainer(rank: int, world: int, port: int, dist_port: int, url: str, pgid: int,
-                 states: list, config) -> dict:
-    """Refit v1 into the server at `url` (killed mid-refit by rank 0's source); then rank 0
-    starts a replacement server and v2 goes into it through a rebuilt group."""
+def _refit_into_dying_server(rank: int, world: int, port: int, url: str, pgid: int,
+                             state: dict) -> dict:
+    """Refit v1 into the server at `url`; rank 0's source kills it mid-refit."""
     from common.http_engine import HttpEngine
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
-                            world_size=TRAINERS)
-    out: dict = {}
     fleet = EngineFleet([HttpEngine(url, timeout_s=TIMEOUT_S)]) if rank == 0 else None
     names = [fleet.rank_names(TRAINERS) if fleet else None]
     dist.broadcast_object_list(names, src=0)
@@ -125,12 +121,12 @@ def kill_trainer(rank: int, world: int, port: int, dist_port: int, url: str, pgi
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
                        num_trainers=TRAINERS, timeout_s=KILL_TIMEOUT_S, device="cpu",
                        rank_names=names[0])
-    source = _SlowSource(states[0], 0.15, pgid if rank == 0 else None, kill_after=6)
-    plan = RefitPlan.build(source.plan_specs(), RefitConfig(bucket_bytes=1024))
-    sender = RefitSender.setup(group, plan)
+    source = _SlowSource(state, 0.15, pgid if rank == 0 else None, kill_after=6)
+    sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(),
+                                                      RefitConfig(bucket_bytes=1024)))
     if joining is not None:
         joining.result(TIMEOUT_S)
-    t0 = time.monotonic()
+    t0, out = time.monotonic(), {}
     try:
         if fleet is not None:
             fleet.refit(lambda: sender.refit(source, 1), 1)
@@ -141,37 +137,53 @@ def kill_trainer(rank: int, world: int, port: int, dist_port: int, url: str, pgi
         out["first"] = (type(e).__name__, str(e))
     out["raised_after_s"] = time.monotonic() - (source.killed_at or t0)
     group.destroy()
-    replacement = None
-    if rank == 0:  # a replacement server, then a rebuilt group (fresh port and name)
-        replacement = VllmServer(config)
-        replacement.wait_ready()
-        fleet = EngineFleet([replacement.client(timeout_s=TIMEOUT_S)])
-    wire = [free_port(), fleet.world_size(TRAINERS) if fleet else None]
-    dist.broadcast_object_list(wire, src=0)
+    return out
+
+
+def _refit_into_replacement(rank: int, state: dict, config) -> dict:
+    """Rank 0 starts a replacement server; v2 goes into it through a rebuilt group."""
+    out, replacement, fleet = {}, None, None
     try:
+        if rank == 0:
+            replacement = VllmServer(config)
+            replacement.wait_ready()
+            fleet = EngineFleet([replacement.client(timeout_s=TIMEOUT_S)])
+        wire = [free_port(), fleet.world_size(TRAINERS) if fleet else None]
+        dist.broadcast_object_list(wire, src=0)
         joining = fleet.join_async("127.0.0.1", wire[0], TRAINERS, TIMEOUT_S,
                                    group_name="refit-2") if fleet else None
         group = RefitGroup(host="127.0.0.1", port=wire[0], rank=rank, world_size=wire[1],
                            num_trainers=TRAINERS, timeout_s=TIMEOUT_S, device="cpu",
                            name="refit-2")
-        source = DictWeightSource(states[1])
+        source = DictWeightSource(state)
         sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(),
                                                           RefitConfig(bucket_bytes=16 << 10)))
-        if joining is not None:
+        if joining is None:
+            sender.refit(source, 2)
+        else:
             joining.result(TIMEOUT_S)
             fleet.refit(lambda: sender.refit(source, 2), 2)
             engine = fleet.engines[0]
             out["version"] = engine.weight_version()
             out["greedy"] = [(o.tokens, o.logprobs) for o in engine.generate(PROMPTS, SHORT)]
-        else:
-            sender.refit(source, 2)
         group.destroy()
     finally:
         if replacement is not None:
             replacement.stop()
             out["replacement_left"] = replacement.group_pids()
-        dist.destroy_process_group()
     return out
+
+
+def kill_trainer(rank: int, world: int, port: int, dist_port: int, url: str, pgid: int,
+                 states: list, config) -> dict:
+    """Every trainer: v1 into a server killed mid-refit, then v2 into a replacement."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
+                            world_size=TRAINERS)
+    try:
+        out = _refit_into_dying_server(rank, world, port, url, pgid, states[0])
+        return out | _refit_into_replacement(rank, states[1], config)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_server_killed_mid_refit_fails_every_trainer_and_a_replacement_takes_over(
