@@ -79,6 +79,7 @@ class EngineClient(ABC):
         self.name, self.timeout_s = name, timeout_s
         self.version: int | None = None  # last complete version, learnt at join
         self.failed: tuple[int, str] | None = None  # (version, why) until a refit lands
+        self.paused = False  # by this client
         self._refit: tuple[int, Future] | None = None
         self._join_timeout_s = 300.0
         self._workers: int | None = None
@@ -138,6 +139,7 @@ class EngineClient(ABC):
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
         self._do(f"pause (mode {mode})", lambda: self._pause(mode, clear_cache))
+        self.paused = True
 
     def resume(self) -> None:
         if self.failed is not None:
@@ -146,6 +148,7 @@ class EngineClient(ABC):
                               f"failed ({why}); it holds a mix of versions (last complete "
                               f"v{self.version}); a refit must land first")
         self._do("resume", self._resume)
+        self.paused = False
 
     def join_async(self, info: JoinInfo) -> Future:
         """Join the refit group (every worker, ranks from `info.rank_offset`); returns at once,
@@ -174,6 +177,9 @@ class EngineClient(ABC):
     def refit_async(self, version: int) -> Future:
         """Start receiving refit `version` (call `pause` first); returns at once."""
         self.check_refit(version)
+        if not self.paused:
+            raise EngineError(f"engine {self.name}: refit v{version} refused: pause the engine "
+                              f"first (vLLM does not guard a weight update against requests)")
 
         def refit() -> None:
             self._start()
@@ -298,12 +304,16 @@ class FleetFuture:
 
 
 def _all(engines: Sequence[EngineClient], call: Callable[[EngineClient], None]) -> None:
-    """`call` on every engine, even after one fails; then raise the first failure."""
+    """`call` on every engine, even after one fails; then raise: the failure, or one error
+    naming every failed engine's (each message names its engine)."""
     errors = []
     for engine in engines:
         try:
             call(engine)
         except Exception as e:  # noqa: BLE001 - the others still get the call
             errors.append(e)
-    if errors:
+    if len(errors) == 1:
         raise errors[0]
+    if errors:
+        raise EngineError(f"{len(errors)} of {len(engines)} engines failed: "
+                          + " | ".join(str(e) for e in errors)) from errors[0]

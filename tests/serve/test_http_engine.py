@@ -72,6 +72,8 @@ def test_refit_over_http_matches_a_fresh_server(rig: Rig, reference) -> None:
     assert all(c.finish_reason == "length" for c in got)
     with pytest.raises(EngineError, match="not newer"):
         rig.engine.refit_async(1)
+    with pytest.raises(EngineError, match="pause the engine first"):
+        rig.engine.refit_async(2)  # resumed: an update would race the requests
     assert rig.engine.weight_version() == "1" and not rig.engine.is_paused()
 
 

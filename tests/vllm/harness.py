@@ -111,41 +111,44 @@ def trainer_job(rank: int, world: int, port: int, case: Case, steps: list[int], 
 
 
 def refit_round(engines, case: Case, mode: str, steps: list[int], out_dir: str | Path):
-    """Engines join as ranks T..; trainers train and refit; the test process drives each engine
-    through pause -> refit -> finish -> resume. Returns (trainers, engine answers)."""
+    """Engines join as ranks T..; trainers train and refit; the test process drives the engines
+    as one fleet through pause -> refit -> finish -> resume. Returns (trainers, answers)."""
     port = free_port()
     fleet = EngineFleet(engines)
     world = fleet.world_size(case.trainers)
     joins = fleet.join_async("127.0.0.1", port, case.trainers, timeout_s=120.0).futures
     answers: list[list] = [[] for _ in engines]
 
-    def drive(i: int) -> None:
-        try:
-            joins[i].result(300)
-            answers[i].append(("join", None))
-        except EngineError as e:
-            answers[i].append(("join-error", str(e)))
+    def drive() -> None:  # one fleet: every engine paused, refit and resumed together
+        for join, answer in zip(joins, answers, strict=True):
+            try:
+                join.result(300)
+                answer.append(("join", None))
+            except EngineError as e:
+                answer.append(("join-error", str(e)))
+        if any(a[0][0] == "join-error" for a in answers):
             return
-        if mode == "kill_engine":  # the engine dies before the refit reaches it
-            engines[i].kill()
+        if mode == "kill_engine":  # the engines die before the refit reaches them
+            for engine in engines:
+                engine.kill()
             return
         for step in steps:
             try:
-                EngineFleet([engines[i]]).refit(lambda: None, step)  # trainers send elsewhere
-                answers[i].append(("refit", step))
+                fleet.refit(lambda: None, step)  # the trainers send from their processes
+                outcome = ("refit", step)
             except EngineError as e:
-                answers[i].append(("refit-error", str(e)))
+                outcome = ("refit-error", str(e))
+            for answer in answers:
+                answer.append(outcome)
 
-    threads = [threading.Thread(target=drive, args=(i,)) for i in range(len(engines))]
-    for t in threads:
-        t.start()
+    driver = threading.Thread(target=drive)
+    driver.start()
     dist_port = free_port()
     while dist_port == port:  # free_port may hand out the same unbound port twice
         dist_port = free_port()
     results = run_ranks(trainer_job, case.trainers, case, steps, mode, str(out_dir), dist_port,
                         timeout=600, port=port, group_world=world)
-    for t in threads:
-        t.join(timeout=300)
+    driver.join(timeout=300)
     return {r: v for r, (s, v) in results.items() if s == "ok"} | {
         r: ("crashed", v) for r, (s, v) in results.items() if s != "ok"}, answers
 
