@@ -46,7 +46,7 @@ class HostedEngine(EngineClient):
         self._call("init", timeout_s + self.timeout_s, info=info)
 
     def _start(self) -> None:
-        self._call("start")
+        self._call("start_update")
 
     def _update(self, info: dict[str, Any], timeout_s: float) -> None:
         self._call("update", timeout_s + self.timeout_s, info=info)

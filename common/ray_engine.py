@@ -1,6 +1,7 @@
 """`RayEngine`: a vLLM engine hosted in a Ray actor, driven through the `EngineClient` interface.
 
-The actor is `common.vllm_host.LLMHost` (an `LLM` with the refit backend) made remote here:
+The actor is `common.vllm_host.LLMHost` (an `LLM` with the refit backend) or, for an engine
+that keeps serving, `common.vllm_async_host.AsyncLLMHost` (an `AsyncLLM`), made remote here:
 this module imports ray and torch, never vllm, so a trainer (or a Ray driver) can use it.
 `max_restarts=0`: a restarted actor would serve its starting checkpoint, unversioned. Killing
 the actor kills an in-process worker with it (`EngineConfig.in_process_worker`, the default);
@@ -9,6 +10,7 @@ with `in_process_worker=False` vLLM's engine core and workers are the actor's ch
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import ray
@@ -20,22 +22,31 @@ from common.engine_config import EngineConfig
 class RayEngine(HostedEngine):
     """An engine in the Ray actor `actor` (an `LLMHost`); see `RayEngine.start`."""
 
-    def __init__(self, actor: Any, name: str, timeout_s: float = 120.0) -> None:
+    def __init__(self, actor: Any, name: str, timeout_s: float = 120.0,
+                 serving: bool = False) -> None:
         super().__init__(name, timeout_s)
-        self.actor = actor
+        self.actor, self.serving = actor, serving
 
     @classmethod
-    def start(cls, config: EngineConfig, *, name: str | None = None, num_cpus: float = 1,
-              timeout_s: float = 120.0, **options: Any) -> RayEngine:
-        """Start the actor (`options` go to `.options()`: placement group, resources, ...) and
-        wait until its engine is built, at most `config.start_timeout_s`."""
-        from common.vllm_host import LLMHost
+    def start(cls, config: EngineConfig, *, serving: bool = False, name: str | None = None,
+              num_cpus: float = 1, timeout_s: float = 120.0, **options: Any) -> RayEngine:
+        """Start the actor and wait until its engine is built (`config.start_timeout_s`).
+
+        serving=False: an offline `LLM` (`LLMHost`; one call at a time). serving=True: an
+        `AsyncLLM` (`AsyncLLMHost`, an async actor), whose generate calls run concurrently
+        with pause / refit / resume, so requests in flight meet the pause mode. `options` go
+        to `.options()` (placement group, resources, ...).
+        """
+        if serving:
+            from common.vllm_async_host import AsyncLLMHost as host_cls
+        else:
+            from common.vllm_host import LLMHost as host_cls
 
         name = name or f"ray:{config.model.rstrip('/').rsplit('/', 1)[-1]}"
-        actor_cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(LLMHost)
-        actor = actor_cls.options(**options).remote(config)
-        engine = cls(actor, name, timeout_s)
-        engine._call("num_workers", config.start_timeout_s)
+        actor = ray.remote(num_cpus=num_cpus, max_restarts=0)(host_cls).options(
+            **options).remote(config)
+        engine = cls(actor, name, timeout_s, serving)
+        engine._call("start" if serving else "num_workers", config.start_timeout_s)
         return engine
 
     def _call(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
@@ -46,5 +57,9 @@ class RayEngine(HostedEngine):
         ray.kill(self.actor, no_restart=True)
 
     def close(self) -> None:
+        """Shut an AsyncLLM down first (its engine core is a child of the actor), then kill."""
         super().close()
+        if self.serving:
+            with contextlib.suppress(Exception):
+                self._call("stop", self.timeout_s)
         self.kill()

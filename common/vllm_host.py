@@ -76,7 +76,7 @@ class LLMHost:
     def init(self, info: dict) -> None:
         self.llm.init_weight_transfer_engine({"init_info": info})
 
-    def start(self) -> None:
+    def start_update(self) -> None:
         self.llm.start_weight_update()
 
     def update(self, info: dict) -> None:
@@ -101,7 +101,7 @@ class LLMHost:
                                                           **sampling})
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                  use_tqdm=False)
-        return [_completion(out.outputs[0]) for out in outs]
+        return [completion_dict(out.outputs[0]) for out in outs]
 
     def backend_origin(self) -> list[dict[str, str]]:
         """Per worker: the backend class and the `common` package it came from."""
@@ -112,7 +112,8 @@ class LLMHost:
         return self.llm.collective_rpc(_read_params, args=(names,))[0]
 
 
-def _completion(seq: Any) -> dict[str, Any]:
+def completion_dict(seq: Any) -> dict[str, Any]:
+    """A vLLM `CompletionOutput` as plain data (`common.engine_client.Completion`'s fields)."""
     logprobs = [step[t].logprob for t, step in zip(seq.token_ids, seq.logprobs or [],
                                                      strict=False)]
     spans = [(s.version, s.start, s.end) for s in (seq.weight_versions or [])]

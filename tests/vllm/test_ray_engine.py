@@ -59,3 +59,40 @@ def test_an_engine_in_a_ray_actor_refits_like_a_fresh_engine(ray_cluster, tmp_pa
     with start_engine(str(tmp_path / "v1")) as fresh:
         assert got == greedy(fresh)
     assert got["tokens"] != before["tokens"]
+
+
+def test_a_serving_engine_actor_keeps_a_request_in_flight_across_a_refit(ray_cluster, tmp_path):
+    """AsyncLLM in an async actor: a long request runs while the engine is paused (keep),
+    refit and resumed; its tokens carry version 0, then 1."""
+    from common.engine_config import EngineConfig
+    from common.ray_engine import RayEngine
+    from tests.serve.conftest import MAX_MODEL_LEN, save_qwen3
+
+    start = {n: t.clone() for n, t in make_model("qwen3", dtype=torch.bfloat16)
+             .state_dict().items()}
+    save_qwen3(start, tmp_path / "v0")
+    new_state = {n: (t * 1.5 if t.dim() > 1 else t).contiguous() for n, t in start.items()}
+    config = EngineConfig(model=str(tmp_path / "v0"), llm_kwargs={
+        "max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 4})
+    engine = RayEngine.start(config, serving=True)
+    try:
+        fleet, port = EngineFleet([engine]), free_port()
+        joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=60)
+        group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=fleet.world_size(1),
+                           num_trainers=1, timeout_s=60, device="cpu")
+        source = DictWeightSource(new_state)
+        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(),
+                                                          RefitConfig(bucket_bytes=16 << 10)))
+        joining.result(60)
+        tokens = MAX_MODEL_LEN - 64
+        in_flight = engine.actor.generate.remote([[3, 1, 4, 1, 5]], tokens, {"ignore_eos": True})
+        (warm,) = engine.generate([[2, 7]], 4)  # served concurrently with the long request
+        assert warm.weight_versions == [("0", 0, 4)]
+        fleet.refit(lambda: sender.refit(source, 1), 1, mode="keep")
+        (out,) = ray_cluster.get(in_flight, timeout=120)
+        (first, _, k), (second, k2, end) = out["weight_versions"]
+        assert (first, second, k2, end) == ("0", "1", k, tokens) and 0 < k < tokens, out
+        assert engine.weight_version() == "1"
+        group.destroy()
+    finally:
+        engine.close()

@@ -1,0 +1,95 @@
+"""Host of one vLLM `AsyncLLM` with the `refit` backend: an engine that keeps serving.
+
+`AsyncLLMHost` has `LLMHost`'s methods as coroutines, so as an async Ray actor
+(`common.ray_engine.RayEngine.start(config, serving=True)`) its generate calls run
+concurrently with pause, refit and resume: requests in flight meet the pause mode the client
+picked (abort, wait, keep). The engine core and its workers run in child processes of the
+host's process (vLLM's multiprocess engine). It imports vllm inside its methods only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from typing import Any
+
+from common.engine_config import EngineConfig
+from common.vllm_host import completion_dict
+
+
+class AsyncLLMHost:
+    """One `AsyncLLM(weight_transfer_config={"backend": "refit"})`, built by `start()`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.llm: Any = None
+
+    async def start(self) -> int:
+        """Build the engine (inside the actor's event loop); returns its worker count."""
+        os.environ["OMP_NUM_THREADS"] = str(self.config.threads)
+        if self.config.disable_cpu_amx:
+            os.environ["REFIT_DISABLE_CPU_AMX"] = "1"  # applied by refit_vllm_plugin
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = {"skip_tokenizer_init": True, "enforce_eager": True, **self.config.llm_kwargs}
+        args = AsyncEngineArgs(model=self.config.model, dtype=self.config.dtype,
+                               weight_transfer_config={"backend": "refit"}, **kwargs)
+        self.llm = AsyncLLM.from_engine_args(args)
+        await self.llm.update_weight_version("0")  # the starting checkpoint
+        return await self.num_workers()
+
+    async def num_workers(self) -> int:
+        return self.llm.vllm_config.parallel_config.world_size_across_dp
+
+    async def pause(self, mode: str, clear_cache: bool) -> None:
+        await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def init(self, info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+
+    async def start_update(self) -> None:
+        await self.llm.start_weight_update()
+
+    async def update(self, info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+
+    async def finish(self, version: str) -> None:
+        await self.llm.finish_weight_update(weight_version=version)
+
+    async def get_version(self) -> str:
+        return await self.llm.get_weight_version()
+
+    async def set_version(self, version: str) -> None:
+        await self.llm.update_weight_version(version)
+
+    async def generate(self, prompts: list[list[int]], max_tokens: int,
+                       sampling: dict[str, Any]) -> list[dict[str, Any]]:
+        """All prompts at once; each answer is its request's final output (a request paused
+        in mode keep waits here until the resume)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, "logprobs": 1,
+                                                          **sampling})
+
+        async def one(prompt: list[int]) -> dict[str, Any]:
+            final = None
+            async for out in self.llm.generate({"prompt_token_ids": prompt}, params,
+                                               request_id=uuid.uuid4().hex):
+                final = out
+            return completion_dict(final.outputs[0])
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    async def stop(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
