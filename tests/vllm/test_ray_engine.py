@@ -7,14 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.broadcast import RefitSender
-from common.config import RefitConfig
-from common.engine_client import EngineFleet
-from common.group import RefitGroup, free_port
-from common.plan import RefitPlan
-from common.source import DictWeightSource
 from tests.dtensor.models import make_model
-from tests.vllm.helpers import PROMPTS, engine_config, greedy, start_engine
+from tests.vllm.helpers import PROMPTS, engine_config, greedy, join_one_trainer, start_engine
 
 pytestmark = pytest.mark.slow
 
@@ -40,20 +34,13 @@ def test_an_engine_in_a_ray_actor_refits_like_a_fresh_engine(ray_cluster, tmp_pa
     engine = RayEngine.start(engine_config(str(tmp_path / "v0")))
     try:
         before = greedy(engine)
-        fleet, port = EngineFleet([engine]), free_port()
-        joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=60)
-        group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=fleet.world_size(1),
-                           num_trainers=1, timeout_s=60, device="cpu")
-        source = DictWeightSource(new_state)
-        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(),
-                                                          RefitConfig(bucket_bytes=16 << 10)))
-        joining.result(60)
-        stats = fleet.refit(lambda: sender.refit(source, 1), 1, mode="abort")
+        trainer = join_one_trainer([engine], new_state)
+        stats = trainer.refit(1, mode="abort")
         assert sorted(stats.receivers) == [1] and engine.weight_version() == "1"
         got = greedy(engine)
         (out,) = engine.generate([PROMPTS[0]], 4)
         assert out.weight_versions == [("1", 0, 4)]
-        group.destroy()
+        trainer.group.destroy()
     finally:
         engine.close()
     with start_engine(str(tmp_path / "v1")) as fresh:
@@ -76,23 +63,16 @@ def test_a_serving_engine_actor_keeps_a_request_in_flight_across_a_refit(ray_clu
         "max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 4})
     engine = RayEngine.start(config, serving=True)
     try:
-        fleet, port = EngineFleet([engine]), free_port()
-        joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=60)
-        group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=fleet.world_size(1),
-                           num_trainers=1, timeout_s=60, device="cpu")
-        source = DictWeightSource(new_state)
-        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(),
-                                                          RefitConfig(bucket_bytes=16 << 10)))
-        joining.result(60)
+        trainer = join_one_trainer([engine], new_state)
         tokens = MAX_MODEL_LEN - 64
         in_flight = engine.actor.generate.remote([[3, 1, 4, 1, 5]], tokens, {"ignore_eos": True})
         (warm,) = engine.generate([[2, 7]], 4)  # served concurrently with the long request
         assert warm.weight_versions == [("0", 0, 4)]
-        fleet.refit(lambda: sender.refit(source, 1), 1, mode="keep")
+        trainer.refit(1, mode="keep")
         (out,) = ray_cluster.get(in_flight, timeout=120)
         (first, _, k), (second, k2, end) = out["weight_versions"]
         assert (first, second, k2, end) == ("0", "1", k, tokens) and 0 < k < tokens, out
         assert engine.weight_version() == "1"
-        group.destroy()
+        trainer.group.destroy()
     finally:
         engine.close()
