@@ -4,8 +4,8 @@ The actor is `common.vllm_host.LLMHost` (an `LLM` with the refit backend) or, fo
 that keeps serving, `common.vllm_async_host.AsyncLLMHost` (an `AsyncLLM`), made remote here:
 this module imports ray and torch, never vllm, so a trainer (or a Ray driver) can use it.
 `max_restarts=0`: a restarted actor would serve its starting checkpoint, unversioned. Killing
-the actor kills an in-process worker with it (`EngineConfig.in_process_worker`, the default);
-with `in_process_worker=False` vLLM's engine core and workers are the actor's children.
+the actor (`ray.kill`) kills an `LLM`'s in-process worker with it, and an `AsyncLLM`'s engine
+core and workers (its children) exit with it (checked by the tests).
 """
 
 from __future__ import annotations

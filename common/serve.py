@@ -100,6 +100,22 @@ def _bind_mask(workers: int, threads: int) -> str:
                     for w in range(workers))
 
 
+def live_group_pids(pgid: int) -> list[int]:
+    """Pids of live (not zombie) processes in process group `pgid`, from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()  # after "pid (comm)"
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry))
+    return sorted(pids)
+
+
 class VllmServer:
     """One `vllm serve` process group (module docstring); started at construction."""
 
@@ -145,19 +161,8 @@ class VllmServer:
         return ""
 
     def group_pids(self) -> list[int]:
-        """Pids of live (not zombie) processes in the server's process group, from /proc."""
-        pids = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rpartition(")")[2].split()  # after "pid (comm)"
-            except OSError:  # exited meanwhile
-                continue
-            if int(fields[2]) == self.pgid and fields[0] != "Z":
-                pids.append(int(entry))
-        return sorted(pids)
+        """Pids of live (not zombie) processes in the server's process group."""
+        return live_group_pids(self.pgid)
 
     def _signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):

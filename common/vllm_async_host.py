@@ -40,6 +40,13 @@ class AsyncLLMHost:
         await self.llm.update_weight_version("0")  # the starting checkpoint
         return await self.num_workers()
 
+    async def pids(self) -> list[int]:
+        """This process and its descendants (vLLM's engine core and workers)."""
+        import psutil
+
+        me = psutil.Process()
+        return [me.pid, *(p.pid for p in me.children(recursive=True))]
+
     async def num_workers(self) -> int:
         return self.llm.vllm_config.parallel_config.world_size_across_dp
 

@@ -28,6 +28,7 @@ from common.serve import VllmServer
 from common.source import DictWeightSource
 from tests.multiproc import run_ranks
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config
+from tests.vllm.helpers import KillingSource
 
 pytestmark = pytest.mark.slow
 TRAINERS, KILL_TIMEOUT_S, MARGIN_S = 2, 10.0, 5.0
@@ -91,24 +92,6 @@ def test_a_plan_the_engine_cannot_take_fails_the_join_everywhere(server, checkpo
     assert [(o.tokens, o.logprobs) for o in after] == [(o.tokens, o.logprobs) for o in before]
 
 
-class _SlowSource(DictWeightSource):
-    """Yields one tensor per `delay_s`; on rank 0 it SIGKILLs the server's process group after
-    `kill_after` tensors (mid-refit, buckets already loaded) and records when."""
-
-    def __init__(self, tensors, delay_s: float, kill_pgid: int | None, kill_after: int) -> None:
-        super().__init__(tensors)
-        self.delay_s, self.kill_pgid, self.kill_after = delay_s, kill_pgid, kill_after
-        self.killed_at: float | None = None
-
-    def iter_tensors(self, plan):
-        for i, item in enumerate(super().iter_tensors(plan)):
-            if self.kill_pgid is not None and i == self.kill_after:
-                os.killpg(self.kill_pgid, signal.SIGKILL)
-                self.killed_at = time.monotonic()
-            time.sleep(self.delay_s)
-            yield item
-
-
 def _refit_into_dying_server(rank: int, world: int, port: int, url: str, pgid: int,
                              state: dict) -> dict:
     """Refit v1 into the server at `url`; rank 0's source kills it mid-refit."""
@@ -121,7 +104,8 @@ def _refit_into_dying_server(rank: int, world: int, port: int, url: str, pgid: i
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
                        num_trainers=TRAINERS, timeout_s=KILL_TIMEOUT_S, device="cpu",
                        rank_names=names[0])
-    source = _SlowSource(state, 0.15, pgid if rank == 0 else None, kill_after=6)
+    kill = (lambda: os.killpg(pgid, signal.SIGKILL)) if rank == 0 else None
+    source = KillingSource(state, kill, after=6)
     sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(),
                                                       RefitConfig(bucket_bytes=1024)))
     if joining is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -68,3 +69,21 @@ def join_one_trainer(engines: list, state: dict[str, torch.Tensor], timeout_s: f
                                                       RefitConfig(bucket_bytes=bucket_bytes)))
     joining.result(timeout_s)
     return OneTrainer(fleet, group, sender, source)
+
+
+class KillingSource(DictWeightSource):
+    """Yields one tensor per `delay_s` and calls `kill()` before tensor `after` (a peer dying
+    mid-refit, some buckets already loaded); `killed_at` records when."""
+
+    def __init__(self, tensors, kill, after: int, delay_s: float = 0.15) -> None:
+        super().__init__(tensors)
+        self.kill, self.after, self.delay_s = kill, after, delay_s
+        self.killed_at: float | None = None
+
+    def iter_tensors(self, plan):
+        for i, item in enumerate(super().iter_tensors(plan)):
+            if self.kill is not None and i == self.after:
+                self.kill()
+                self.killed_at = time.monotonic()
+            time.sleep(self.delay_s)
+            yield item

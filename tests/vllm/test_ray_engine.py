@@ -4,11 +4,20 @@ engine started on the new weights generates."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from tests.dtensor.models import make_model
-from tests.vllm.helpers import PROMPTS, engine_config, greedy, join_one_trainer, start_engine
+from tests.vllm.helpers import (
+    PROMPTS,
+    KillingSource,
+    engine_config,
+    greedy,
+    join_one_trainer,
+    start_engine,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +25,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield ray
     ray.shutdown()
@@ -76,3 +85,54 @@ def test_a_serving_engine_actor_keeps_a_request_in_flight_across_a_refit(ray_clu
         trainer.group.destroy()
     finally:
         engine.close()
+
+
+def test_a_serving_engine_actor_killed_mid_refit_fails_the_trainer_and_leaves_nothing(
+        ray_cluster, tmp_path) -> None:
+    """`ray.kill` of the engine actor mid-refit: the trainer raises within the timeout + a
+    margin naming the engine, no process of the actor's tree survives, and a replacement
+    engine joins a rebuilt group and takes the next refit."""
+    import psutil
+
+    from common.engine_config import EngineConfig
+    from common.errors import RefitError
+    from common.ray_engine import RayEngine
+
+    model = make_model("qwen3", dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "v0")
+    state = {n: t.clone() for n, t in model.state_dict().items()}
+    config = EngineConfig(model=str(tmp_path / "v0"), llm_kwargs={
+        "kv_cache_memory_bytes": 64 << 20, "max_model_len": 64, "max_num_seqs": 4})
+    engine = RayEngine.start(config, serving=True, name="doomed")
+    pids = engine._call("pids")
+    assert len(pids) >= 2  # the actor and vLLM's engine core at least
+
+    def alive() -> list[int]:
+        def running(pid: int) -> bool:
+            try:
+                return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+        return [p for p in pids if running(p)]
+    trainer = join_one_trainer([engine], state, timeout_s=10)
+    slow = KillingSource(state, lambda: ray_cluster.kill(engine.actor), after=5)
+    with pytest.raises(RefitError) as failure:
+        trainer.fleet.refit(lambda: trainer.sender.refit(slow, 1), 1)
+    elapsed = time.monotonic() - slow.killed_at
+    print(f"[ray] the trainer raised {elapsed:.2f} s after the kill: {failure.value}")
+    assert elapsed < 10 + 5 and "engine doomed" in str(failure.value)
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive() == [], "processes of the killed engine survived"
+    trainer.group.destroy()
+    replacement = RayEngine.start(config, serving=True, name="replacement")
+    try:
+        fresh = join_one_trainer([replacement], {n: t * 2 for n, t in state.items()})
+        fresh.refit(1)
+        assert replacement.weight_version() == "1"
+        (out,) = replacement.generate([PROMPTS[0]], 4)
+        assert out.weight_versions == [("1", 0, 4)]
+        fresh.group.destroy()
+    finally:
+        replacement.close()
