@@ -1,0 +1,104 @@
+"""Two Ray nodes on one machine, on distinct addresses (`ray.cluster_utils.Cluster`): the head
+at the machine's own address with the trainers, a second node on 127.0.0.2 with the engine
+(custom resources pin them). The refit group forms across the nodes and refits land."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.ray_cluster import RayLayout, RayPlacement, TrainerActor, start_trainers
+from tests.dtensor.models import make_model
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 120
+
+
+class CheckpointTrainer(TrainerActor):
+    """A trainer rank whose weights are a checkpoint's tensors scaled by `scale` (rank 0 sends)."""
+
+    def build(self):
+        from safetensors.torch import load_file
+
+        from common.source import DictWeightSource
+
+        path, scale = self.args
+        return DictWeightSource({n: t * scale for n, t in
+                                 load_file(f"{path}/model.safetensors").items()})
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    temp = str(tmp_path_factory.mktemp("ray"))
+    nodes = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"trainer_node": 2}, "temp_dir": temp})
+    try:
+        nodes.add_node(num_cpus=1, node_ip_address="127.0.0.2", resources={"engine_node": 1})
+        env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}"
+               f"{os.environ.get('PYTHONPATH', '')}", "VLLM_LOGGING_LEVEL": "ERROR"}
+        ray.init(address=nodes.address, runtime_env={"env_vars": env}, log_to_driver=False,
+                 _temp_dir=temp)
+        nodes.wait_for_nodes()
+        yield ray
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+
+
+def _node_ips(ray, group) -> set[str]:
+    from ray.util import placement_group_table
+
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    return {ips[node] for node in placement_group_table(group)["bundles_to_node_id"].values()}
+
+
+def test_trainers_and_an_engine_on_different_nodes_refit(cluster, tmp_path) -> None:
+    from common.config import RefitConfig
+    from common.engine_client import EngineFleet
+    from common.engine_config import EngineConfig
+    from common.ray_engine import RayEngine
+
+    make_model("qwen3", dtype=torch.bfloat16).save_pretrained(tmp_path / "v0")
+    layout = RayLayout(trainers=2, trainer_resources={"trainer_node": 1},
+                       engine_resources={"engine_node": 1}, strategy="SPREAD",
+                       timeout_s=TIMEOUT_S)
+    placement = RayPlacement(layout)
+    trainers, fleet = [], None
+    try:
+        trainer_ips, engine_ips = (_node_ips(cluster, placement.trainer_group),
+                                   _node_ips(cluster, placement.engine_groups[0]))
+        assert engine_ips == {"127.0.0.2"} and "127.0.0.2" not in trainer_ips, (
+            trainer_ips, engine_ips)
+        trainers = start_trainers(CheckpointTrainer, placement, str(tmp_path / "v0"), 1.5)
+        config = EngineConfig(model=str(tmp_path / "v0"), llm_kwargs={
+            "kv_cache_memory_bytes": 64 << 20, "max_model_len": 64, "max_num_seqs": 4})
+        engine = RayEngine.start(config, name="engine@127.0.0.2", **placement.engine_options(0))
+        fleet = EngineFleet([engine])
+        host, port = cluster.get(trainers[0].address.remote(), timeout=TIMEOUT_S)
+        assert host in trainer_ips  # the refit group's store lives on the trainers' node
+        joining = fleet.join_async(host, port, 2, timeout_s=TIMEOUT_S)
+        cluster.get([t.join_refit.remote(host, port, fleet.world_size(2), fleet.rank_names(2),
+                                         RefitConfig(bucket_bytes=64 << 10), TIMEOUT_S)
+                     for t in trainers], timeout=TIMEOUT_S)
+        joining.result(TIMEOUT_S)
+        before = engine.generate([[1, 2, 3]], 6)
+        stats = fleet.refit(lambda: cluster.get([t.refit.remote(1) for t in trainers],
+                                                timeout=TIMEOUT_S), 1)
+        assert [s["version"] for s in stats] == [1, 1] and sorted(stats[0]["receivers"]) == [2]
+        (after,) = engine.generate([[1, 2, 3]], 6)
+        assert engine.weight_version() == "1" and after.weight_versions == [("1", 0, 6)]
+        assert after.tokens != before[0].tokens
+    finally:
+        if fleet is not None:
+            fleet.close()
+        for t in trainers:
+            cluster.get(t.shutdown.remote(), timeout=TIMEOUT_S)
+            cluster.kill(t)
+        placement.remove()
