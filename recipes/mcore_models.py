@@ -127,16 +127,20 @@ def _pipeline_forward(model: list[torch.nn.Module], tokens: torch.Tensor, labels
     return x, out
 
 
-def train_step(model: list[torch.nn.Module], opt: torch.optim.Optimizer, step: int) -> float:
+def train_step(model: list[torch.nn.Module], opt: torch.optim.Optimizer, step: int,
+               batches: torch.Tensor | None = None) -> float:
     """One optimizer step: all forwards then all backwards over the pipeline (hidden states and
     their grads hop stages by send/recv; Megatron's own schedule allocates on "cuda"), then
-    Megatron's finalize_model_grads. Returns the mean loss on the last stage (else nan)."""
+    Megatron's finalize_model_grads. `batches` [MICROBATCHES, MICRO, SEQ + 1] token ids (this
+    data-parallel rank's; default: random, seeded by step and rank). Returns the mean loss on
+    the last stage (else nan)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    g = torch.Generator().manual_seed(1000 * step + ps.get_data_parallel_rank())
-    batches = torch.randint(0, VOCAB, (MICROBATCHES, MICRO, SEQ + 1), generator=g)
+    if batches is None:
+        g = torch.Generator().manual_seed(1000 * step + ps.get_data_parallel_rank())
+        batches = torch.randint(0, VOCAB, (MICROBATCHES, MICRO, SEQ + 1), generator=g)
     model[0].train()
     model[0].zero_grad_buffer()
     passes = [_pipeline_forward(model, t[:, :-1], t[:, 1:] if last else None) for t in batches]

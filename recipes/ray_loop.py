@@ -1,0 +1,160 @@
+"""The Ray recipes' driver: an RL-shaped loop, one step off, for any `TrainerActor` class.
+
+The trainer class implements `build()` (its weight source), `save_checkpoint(path)` (every
+rank calls it; the engines start from what it writes) and `train_step(samples) -> loss`.
+Engines (`AsyncLLM` with the refit backend, one async actor each) generate batch k+1 while
+the trainers train on batch k; then the engines are paused, refit and resumed, and the weight
+version is the step. Every sample carries the versions its tokens came from, read from
+vLLM's `weight_versions`. One line per step and a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+import torch
+
+from common.config import RefitConfig
+from common.engine_client import PAUSE_MODES, EngineFleet
+from common.engine_config import EngineConfig
+from common.ray_cluster import RayLayout, RayPlacement, start_trainers
+from common.ray_engine import RayEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Batches:
+    """What the engines generate: `count` prompts of `prompt_len` tokens, `new_tokens` each."""
+
+    count: int
+    prompt_len: int
+    new_tokens: int
+    vocab: int
+
+    def prompts(self, step: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(step)
+        return torch.randint(1, self.vocab, (self.count, self.prompt_len), generator=g).tolist()
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--pause", choices=PAUSE_MODES, default="keep")
+    p.add_argument("--address", help="a running Ray cluster (default: start a local one)")
+    p.add_argument("--result", help="write the per-step rows here (JSON)")
+    p.add_argument("--verbose", action="store_true", help="show the actors' own logs")
+    return p
+
+
+def generate_async(engines: list[RayEngine], batch: list[list[int]], new_tokens: int) -> list:
+    share = -(-len(batch) // len(engines))
+    return [e.actor.generate.remote(batch[i * share:(i + 1) * share], new_tokens,
+                                    {"ignore_eos": True}) for i, e in enumerate(engines)]
+
+
+def collect(futures: list, batch: list[list[int]], timeout_s: float) -> list[dict]:
+    outs = [o for part in ray.get(futures, timeout=timeout_s) for o in part]
+    return [{"tokens": p + o["tokens"],
+             "versions": sorted({v for v, _, _ in o["weight_versions"]}, key=int)}
+            for p, o in zip(batch, outs, strict=True)]
+
+
+def start(args, layout: RayLayout, actor_cls: type, actor_args: tuple, llm_kwargs: dict,
+          workdir: Path):
+    """Placement, trainer actors (their first weights saved as the engines' checkpoint),
+    engine actors, and the refit group across them."""
+    placement = RayPlacement(layout)
+    trainers = start_trainers(actor_cls, placement, *actor_args)
+    ckpt = str(workdir / "v0")
+    ray.get([t.save_checkpoint.remote(ckpt) for t in trainers], timeout=layout.timeout_s)
+    config = EngineConfig(model=ckpt, llm_kwargs=llm_kwargs)
+    engines = [RayEngine.start(config, serving=True, name=f"engine-{i}",
+                               **placement.engine_options(i)) for i in range(layout.engines)]
+    fleet = EngineFleet(engines)
+    host, port = ray.get(trainers[0].address.remote(), timeout=layout.timeout_s)
+    joining = fleet.join_async(host, port, layout.trainers, timeout_s=layout.timeout_s)
+    refit_config = RefitConfig.from_env(bucket_bytes=4 << 20, timeout_s=layout.timeout_s)
+    ray.get([t.join_refit.remote(host, port, fleet.world_size(layout.trainers),
+                                 fleet.rank_names(layout.trainers), refit_config,
+                                 layout.timeout_s) for t in trainers], timeout=layout.timeout_s)
+    joining.result(layout.timeout_s)
+    return placement, trainers, fleet
+
+
+def run(args, tag: str, batches: Batches, trainers: list, fleet: EngineFleet,
+        timeout_s: float) -> list[dict]:
+    """Batch k+1 generates while the trainers learn on batch k, then refit k: batch k+1 comes
+    from the weights of step k-1 (one step off; batch 1 from the start)."""
+    batch, rows = batches.prompts(1), []
+    pending = generate_async(fleet.engines, batch, batches.new_tokens)
+    for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        samples = collect(pending, batch, timeout_s)  # batch `step`
+        wait_s = time.perf_counter() - t0
+        batch = batches.prompts(step + 1)
+        pending = generate_async(fleet.engines, batch, batches.new_tokens)  # during training
+        t0 = time.perf_counter()
+        losses = ray.get([t.train_step.remote([s["tokens"] for s in samples])
+                          for t in trainers], timeout=timeout_s)
+        train_s, t0 = time.perf_counter() - t0, time.perf_counter()
+        stats = fleet.refit(lambda s=step: ray.get([t.refit.remote(s) for t in trainers],
+                                                   timeout=timeout_s), step, args.pause)
+        finite = [x for x in losses if x == x]  # ranks off the last pipeline stage say nan
+        rows.append({"step": step, "loss": sum(finite) / len(finite), "wait_s": wait_s,
+                     "train_s": train_s, "refit_s": time.perf_counter() - t0,
+                     "versions": [s["versions"] for s in samples],
+                     "sender": stats[0]["summary"]})
+        row = rows[-1]
+        print(f"[{tag}] step {step}: samples from versions "
+              f"{sorted({tuple(v) for v in row['versions']})}, generate wait "
+              f"{wait_s * 1e3:.0f} ms, train {train_s * 1e3:.0f} ms (loss {row['loss']:.3f}), "
+              f"refit {row['refit_s'] * 1e3:.0f} ms (pause {args.pause}): {row['sender']}",
+              flush=True)
+    last = collect(pending, batch, timeout_s)
+    rows.append({"step": args.steps + 1, "versions": [s["versions"] for s in last]})
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    lines = ["step | loss   | generate wait ms | train ms | refit ms | sample versions",
+             "-----|--------|------------------|----------|----------|----------------"]
+    for r in rows[:-1]:
+        lines.append(f"{r['step']:>4} | {r['loss']:.3f} | {r['wait_s'] * 1e3:>16.0f} | "
+                     f"{r['train_s'] * 1e3:>8.0f} | {r['refit_s'] * 1e3:>8.0f} | "
+                     f"{sorted({tuple(v) for v in r['versions']})}")
+    return "\n".join(lines)
+
+
+def main_loop(args, tag: str, layout: RayLayout, actor_cls: type, actor_args: tuple,
+              batches: Batches, llm_kwargs: dict) -> list[dict]:
+    """The whole recipe on a local cluster (or `--address`), torn down at the end."""
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_LOGGING_LEVEL": "ERROR"}
+    ray.init(address=args.address or "local", runtime_env={"env_vars": env},
+             include_dashboard=False, log_to_driver=args.verbose,
+             **({} if args.address else {"num_cpus": layout.trainers + layout.engines}))
+    placement = trainers = fleet = None
+    try:
+        placement, trainers, fleet = start(args, layout, actor_cls, actor_args, llm_kwargs,
+                                           Path(tempfile.mkdtemp(prefix=f"{tag}_")))
+        rows = run(args, tag, batches, trainers, fleet, layout.timeout_s)
+        print(summary(rows), flush=True)
+        if args.result:
+            Path(args.result).write_text(json.dumps(rows))
+        return rows
+    finally:
+        if fleet is not None:
+            fleet.close()
+        for t in trainers or []:
+            ray.kill(t)
+        if placement is not None:
+            placement.remove()
+        ray.shutdown()
