@@ -18,7 +18,6 @@ ABORT headers instead of payloads; receivers stop loading at the first ABORT.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,13 +27,13 @@ import torch
 
 from common import native
 from common.errors import (
-    PlanMismatchError,
     RefitAborted,
     RefitCommError,
     RefitError,
     TensorMismatchError,
 )
 from common.group import RefitGroup
+from common.handshake import STATUS_BYTES, PlanCheck, agree_on_plan, decode_status, encode_status
 from common.packing import BucketLayout, byte_view
 from common.plan import Bucket, RefitPlan, align_up
 from common.source import WeightSource
@@ -42,7 +41,6 @@ from common.taker import BucketTaker
 from common.wire import HEADER_BYTES, STATUS_ABORT, STATUS_OK, Header
 
 log = logging.getLogger(__name__)
-_STATUS_BYTES = 480
 BucketCallback = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 
@@ -78,60 +76,6 @@ class RefitStats:
                      f"{slowest.get('seconds', 0) * 1e3:.1f} ms (load "
                      f"{slowest.get('load_s', 0) * 1e3:.1f} ms)")
         return text
-
-
-PlanCheck = Callable[[RefitPlan], str | None]
-
-
-def _encode_status(error: str, stats: RefitStats) -> bytes:
-    """A rank's end-of-refit record: its error ("" if none) and its own timings, as JSON that
-    fits the status slot (the error text is cut to fit)."""
-    times = {"seconds": round(stats.seconds, 6), "wait_s": round(stats.wait_s, 6),
-             "load_s": round(stats.load_s, 6)}
-    record = {"times": times, "error": error}
-    while len(raw := json.dumps(record).encode()) > _STATUS_BYTES:
-        record["error"] = record["error"][: -(len(raw) - _STATUS_BYTES) - 3]
-    return raw
-
-
-def _decode_status(raw: bytes) -> dict:
-    try:
-        record = json.loads(raw.decode())
-    except ValueError:  # a record cut by the slot, or a peer of another protocol version
-        return {"times": {}, "error": raw.decode(errors="replace") or "unreadable status"}
-    return {"times": record.get("times", {}), "error": record.get("error", "")}
-
-
-def agree_on_plan(
-    group: RefitGroup, plan: RefitPlan | None, check: PlanCheck | None = None
-) -> RefitPlan:
-    """Setup handshake: every rank ends with rank 0's plan, or every rank raises.
-
-    A rank passing its own plan (every trainer, and a receiver that expects one) fails the
-    setup everywhere if it differs, and the error names the ranks and the first difference.
-    `check` lets a receiver refuse the plan (e.g. a tensor its model does not have): its
-    answer reaches every rank the same way.
-    """
-    if group.rank == 0 and plan is None:
-        raise ValueError("refit rank 0 (the first trainer) must provide the plan")
-    data = group.broadcast_bytes(plan.to_json().encode() if group.rank == 0 else None, 0, "plan")
-    theirs = RefitPlan.from_json(data.decode())
-    problem = ""
-    if plan is not None and (diff := plan.difference(theirs)):
-        problem = f"plan {plan.digest[:12]} differs from rank 0's {theirs.digest[:12]}: {diff}"
-    if not problem and (bad := [b for b in theirs.buckets if b.source_rank >= group.num_trainers]):
-        problem = f"bucket {bad[0].index} has source rank {bad[0].source_rank}, not a trainer"
-    if not problem and check is not None:
-        try:
-            problem = check(theirs) or ""
-        except Exception as e:  # noqa: BLE001 - a broken check must still reach every rank
-            problem = f"plan check raised {type(e).__name__}: {e}"
-    statuses = group.all_gather_bytes(problem.encode(), _STATUS_BYTES, "plan check")
-    failed = {r: s.decode(errors="replace") for r, s in enumerate(statuses) if s}
-    if failed:
-        lines = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-        raise PlanMismatchError(f"{group.who}: refit plan mismatch at setup: {lines}")
-    return theirs
 
 
 class _Endpoint:
@@ -185,10 +129,11 @@ class _Endpoint:
             torch.cuda.current_stream(self.group.device).synchronize()
         stats.seconds = time.perf_counter() - t0  # this rank's work, sent to the others
         mine = "" if error is None else f"{type(error).__name__}: {error}"
-        statuses = self.group.all_gather_bytes(_encode_status(mine, stats), _STATUS_BYTES,
+        times = {"seconds": stats.seconds, "wait_s": stats.wait_s, "load_s": stats.load_s}
+        statuses = self.group.all_gather_bytes(encode_status(mine, times), STATUS_BYTES,
                                                f"refit v{stats.version} status")
         stats.seconds = time.perf_counter() - t0
-        records = {r: _decode_status(s) for r, s in enumerate(statuses)}
+        records = {r: decode_status(s) for r, s in enumerate(statuses)}
         failed = {r: rec["error"] for r, rec in records.items() if rec["error"]}
         stats.receivers = {r: rec["times"] for r, rec in records.items()
                            if r >= self.group.num_trainers and not rec["error"]}

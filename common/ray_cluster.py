@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,9 +101,10 @@ class RayPlacement:
             remove_placement_group(group)
 
 
-class TrainerActor:
-    """Base of a trainer rank in a Ray actor; a subclass builds the model in `build()` and
-    returns its weight source, and trains in its own methods."""
+class TrainerActor(ABC):
+    """Base of a trainer rank in a Ray actor. A subclass builds its model in `build()` and
+    returns the weight source; what else it offers is its driver's business (e.g.
+    `recipes/ray_loop.py` calls `save_checkpoint(path)` and `train_step(samples)`)."""
 
     def __init__(self, *args: Any) -> None:
         self.args, self.sender, self.source = args, None, None
@@ -119,8 +121,9 @@ class TrainerActor:
                                 world_size=world)
         self.source = self.build()
 
+    @abstractmethod
     def build(self) -> WeightSource:
-        raise NotImplementedError
+        """After torch.distributed is up: build the model on this rank; its weight source."""
 
     def join_refit(self, host: str, port: int, world: int, rank_names: dict[int, str],
                    config: Any, timeout_s: float) -> str:

@@ -10,12 +10,11 @@ host's process (vLLM's multiprocess engine). It imports vllm inside its methods 
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from typing import Any
 
 from common.engine_config import EngineConfig
-from common.vllm_host import completion_dict
+from common.vllm_host import completion_dict, configure_process
 
 
 class AsyncLLMHost:
@@ -27,9 +26,7 @@ class AsyncLLMHost:
 
     async def start(self) -> int:
         """Build the engine (inside the actor's event loop); returns its worker count."""
-        os.environ["OMP_NUM_THREADS"] = str(self.config.threads)
-        if self.config.disable_cpu_amx:
-            os.environ["REFIT_DISABLE_CPU_AMX"] = "1"  # applied by refit_vllm_plugin
+        configure_process(self.config, in_process=False)  # AsyncLLM: its own engine core
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -20,9 +20,10 @@ from common.engine_config import EngineConfig
 _PAUSED = "engine is paused for a weight update: resume it before generating"
 
 
-def _configure_process(config: EngineConfig) -> None:
-    """The engine process's settings: where the worker runs, threads, the AMX workaround."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if config.in_process_worker else "1"
+def configure_process(config: EngineConfig, in_process: bool) -> None:
+    """The engine process's settings, before vllm is imported: whether the engine core and
+    worker run in this process, threads, the AMX workaround."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ["OMP_NUM_THREADS"] = str(config.threads)
     torch.set_num_threads(config.threads)
     if config.disable_cpu_amx:
@@ -49,7 +50,7 @@ class LLMHost:
     """One `LLM(weight_transfer_config={"backend": "refit"})`; started at version "0"."""
 
     def __init__(self, config: EngineConfig) -> None:
-        _configure_process(config)  # before vllm is imported
+        configure_process(config, config.in_process_worker)
         from vllm import LLM
 
         kwargs = {"skip_tokenizer_init": True, "enforce_eager": True, **config.llm_kwargs}

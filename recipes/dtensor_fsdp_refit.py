@@ -37,7 +37,7 @@ from common.engine_client import PAUSE_MODES, EngineFleet  # noqa: E402
 from common.group import RefitGroup  # noqa: E402
 from common.plan import RefitPlan  # noqa: E402
 from dtensor_refit import DTensorWeightSource, DtypePolicy  # noqa: E402
-from recipes.engines import KINDS, open_engine  # noqa: E402
+from recipes.engines import KINDS, greedy, open_engine  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4, 5], [10, 20, 30]]
 
@@ -54,11 +54,6 @@ def save_bf16(state: dict[str, torch.Tensor], path: str) -> None:
     model = tiny_qwen3().to(torch.bfloat16)
     model.load_state_dict(state)
     model.save_pretrained(path)
-
-
-def greedy(engine) -> tuple[list[list[int]], list[list[float]]]:
-    outs = engine.generate(PROMPTS, 8)
-    return [o.tokens for o in outs], [o.logprobs for o in outs]
 
 
 def train_and_refit(args, model, source, sender, fleet: EngineFleet | None) -> None:
@@ -81,7 +76,7 @@ def train_and_refit(args, model, source, sender, fleet: EngineFleet | None) -> N
         engine = fleet.engines[0]
         print(f"[recipe] step {step} loss {loss.item():.3f} | {stats.summary()} | paused "
               f"{paused * 1e3:.0f} ms | v{engine.weight_version()} tokens "
-              f"{greedy(engine)[0]}", flush=True)
+              f"{greedy(engine, PROMPTS, 8)[0]}", flush=True)
 
 
 def main() -> None:
@@ -103,7 +98,7 @@ def main() -> None:
             save_bf16(model.state_dict(), str(workdir / "v0"))
             t0 = time.perf_counter()
             engine = stack.enter_context(open_engine(args.engine, str(workdir / "v0"), workdir))
-            before = greedy(engine)[0]
+            before = greedy(engine, PROMPTS, 8)[0]
             print(f"[recipe] {args.engine} engine {engine.name} up in "
                   f"{time.perf_counter() - t0:.1f}s; before training: {before}", flush=True)
             fleet = EngineFleet([engine])
@@ -125,9 +120,9 @@ def main() -> None:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         if rank == 0:
             save_bf16(full, str(workdir / f"v{args.steps}"))
-            got = greedy(engine)
+            got = greedy(engine, PROMPTS, 8)
             with open_engine(args.engine, str(workdir / f"v{args.steps}"), workdir) as fresh:
-                ref = greedy(fresh)
+                ref = greedy(fresh, PROMPTS, 8)
             assert got == ref, f"refit engine {got} != fresh engine {ref}"
             assert got[0] != before, "training changed nothing the engine serves"
             print(f"[recipe] checks passed: greedy tokens and logprobs equal a fresh engine's "

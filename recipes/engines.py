@@ -36,3 +36,10 @@ def open_engine(kind: str, checkpoint: str, log_dir: str | Path) -> Iterator[Eng
             yield client
     else:
         raise ValueError(f"engine kind {kind!r} is not one of {KINDS}")
+
+
+def greedy(engine: EngineClient, prompts: list[list[int]],
+           max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens and logprobs of `prompts`, comparable with `==` across engines."""
+    outs = engine.generate(prompts, max_tokens)
+    return [o.tokens for o in outs], [o.logprobs for o in outs]

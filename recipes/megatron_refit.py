@@ -39,7 +39,7 @@ from common.config import RefitConfig  # noqa: E402
 from common.engine_client import PAUSE_MODES, EngineClient, EngineFleet  # noqa: E402
 from common.group import RefitGroup, free_port  # noqa: E402
 from common.plan import RefitPlan  # noqa: E402
-from recipes.engines import KINDS, open_engine  # noqa: E402
+from recipes.engines import KINDS, greedy, open_engine  # noqa: E402
 from recipes.mcore_models import (  # noqa: E402
     DENSE,
     MOE,
@@ -104,11 +104,6 @@ def max_diff(xs: list[list[float]], ys: list[list[float]]) -> float:
     return max(abs(a - b) for x, y in zip(xs, ys, strict=True) for a, b in zip(x, y, strict=True))
 
 
-def greedy(engine: EngineClient) -> tuple[list[list[int]], list[list[float]]]:
-    outs = engine.generate(PROMPTS, NEW_TOKENS)
-    return [o.tokens for o in outs], [o.logprobs for o in outs]
-
-
 def check_step(engine: EngineClient, ckpt: str, step: int, moe: bool) -> list[list[int]]:
     """After refit `step`, against that step's checkpoint (written independently of the refit
     path): the engine reports the version; a local engine's readable params equal the
@@ -121,7 +116,7 @@ def check_step(engine: EngineClient, ckpt: str, step: int, moe: bool) -> list[li
     assert engine.weight_version() == str(step), engine.weight_version()
     if hasattr(engine, "read"):
         compare_params(engine.read(), vllm_layout(load_file(f"{ckpt}/model.safetensors")))
-    tokens, logprobs = greedy(engine)
+    tokens, logprobs = greedy(engine, PROMPTS, NEW_TOKENS)
     if not moe:
         diff = max_diff(hf_logprobs(ckpt, PROMPTS, tokens), logprobs)
         assert diff <= VLLM_TOL, f"step {step}: vLLM logprobs differ from transformers' by {diff}"
@@ -136,10 +131,11 @@ def final_checks(engine: EngineClient, kind: str, ckpt: str, mega: list[list[flo
 
     from recipes.vllm_checks import compare_params, vllm_layout
 
-    tokens, logprobs = greedy(engine)
+    tokens, logprobs = greedy(engine, PROMPTS, NEW_TOKENS)
     result: dict = {}
     with open_engine(kind, ckpt, Path(ckpt).parent) as fresh:
-        assert greedy(fresh) == (tokens, logprobs), "generation differs from a fresh engine's"
+        same = greedy(fresh, PROMPTS, NEW_TOKENS) == (tokens, logprobs)
+        assert same, "generation differs from a fresh engine's"
         if kind == "local":
             got, ref = engine.read(), fresh.read()
             assert sorted(got) == sorted(ref), "vLLM param names differ from a fresh engine's"
@@ -271,14 +267,14 @@ def main(argv: list[str] | None = None) -> dict | None:
             write_checkpoint(full, layout, str(workdir / "v0"))
             t1 = time.perf_counter()
             engine = stack.enter_context(open_engine(args.engine, str(workdir / "v0"), workdir))
-            before = greedy(engine)[0]
+            before = greedy(engine, PROMPTS, NEW_TOKENS)[0]
             log(f"{args.engine} engine {engine.name} up in {time.perf_counter() - t1:.1f}s "
                 f"({engine.num_workers()} worker(s), weight version {engine.weight_version()}); "
                 f"greedy before training: {before}")
             fleet = EngineFleet([engine])
         group, sender = connect(fleet, plan)
         losses = train_and_refit(args, layout, model, opt, source, plan, sender, fleet, workdir)
-        tokens = [greedy(engine)[0] if engine else None]
+        tokens = [greedy(engine, PROMPTS, NEW_TOKENS)[0] if engine else None]
         dist.broadcast_object_list(tokens, src=0)
         mega = [megatron_logprobs(model, [p + t for p, t in zip(PROMPTS, tokens[0], strict=True)],
                                   [len(p) for p in PROMPTS])]
