@@ -37,9 +37,9 @@ from common.engine_client import PAUSE_MODES, EngineFleet  # noqa: E402
 from common.group import RefitGroup  # noqa: E402
 from common.plan import RefitPlan  # noqa: E402
 from dtensor_refit import DTensorWeightSource, DtypePolicy  # noqa: E402
-from recipes.engines import KINDS, greedy, open_engine  # noqa: E402
+from recipes.engines import KINDS, greedy, open_engine, replayed_batches  # noqa: E402
 
-PROMPTS = [[1, 2, 3, 4, 5], [10, 20, 30]]
+PROMPTS, PROBE_TOKENS = [[1, 2, 3, 4, 5], [10, 20, 30]], 8
 
 
 def tiny_qwen3() -> Qwen3ForCausalLM:
@@ -56,17 +56,34 @@ def save_bf16(state: dict[str, torch.Tensor], path: str) -> None:
     model.save_pretrained(path)
 
 
-def train_and_refit(args, model, source, sender, fleet: EngineFleet | None) -> None:
-    """Every rank: AdamW steps on random tokens, a refit after each (rank 0 drives the engine:
-    pause, refit, finish as version `step`, resume)."""
+def fsdp_step(model, opt, samples: list[list[int]]) -> float:
+    """One AdamW step on this rank's share of `samples` (token lists of one length)."""
+    tokens = torch.tensor(samples[dist.get_rank()::dist.get_world_size()])
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def random_batches(steps: int, vocab: int) -> list[list[list[int]]]:
+    """The default data: 4 x 32 random tokens per rank and step (the same on every rank)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (steps, 4 * dist.get_world_size(), 32), generator=g).tolist()
+
+
+def train_and_refit(args, model, source, sender, fleet: EngineFleet | None,
+                    batches: list) -> dict:
+    """Every rank: an AdamW step per batch, a refit after each (rank 0 drives the engine:
+    pause, refit, finish as version `step`, resume). Per step: every rank's loss and (rank 0)
+    the engine's greedy tokens on the probe prompts."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(dist.get_rank())
-    for step in range(1, args.steps + 1):
-        tokens = torch.randint(0, model.config.vocab_size, (4, 32), generator=g)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    record = {"rank_losses": [], "greedy": []}
+    for step, batch in enumerate(batches, start=1):
+        loss = fsdp_step(model, opt, batch)
+        losses = [None] * dist.get_world_size()
+        dist.all_gather_object(losses, loss)
+        record["rank_losses"].append(losses)
         if fleet is None:
             sender.refit(source, version=step)
             continue
@@ -74,9 +91,11 @@ def train_and_refit(args, model, source, sender, fleet: EngineFleet | None) -> N
         stats = fleet.refit(lambda s=step: sender.refit(source, version=s), step, args.pause)
         paused = time.perf_counter() - t0
         engine = fleet.engines[0]
-        print(f"[recipe] step {step} loss {loss.item():.3f} | {stats.summary()} | paused "
+        record["greedy"].append(greedy(engine, PROMPTS, PROBE_TOKENS)[0])
+        print(f"[recipe] step {step} loss {loss:.3f} | {stats.summary()} | paused "
               f"{paused * 1e3:.0f} ms | v{engine.weight_version()} tokens "
-              f"{greedy(engine, PROMPTS, 8)[0]}", flush=True)
+              f"{record['greedy'][-1][0]}", flush=True)
+    return record
 
 
 def main() -> None:
@@ -85,6 +104,8 @@ def main() -> None:
     parser.add_argument("--engine", choices=KINDS, default="serve")
     parser.add_argument("--pause", choices=PAUSE_MODES, default="keep")
     parser.add_argument("--result", help="rank 0 writes the checks' results here (JSON)")
+    parser.add_argument("--batches", help="train on the batches of a Ray recipe's --result "
+                        "rows (one step per batch) instead of random tokens")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -98,7 +119,7 @@ def main() -> None:
             save_bf16(model.state_dict(), str(workdir / "v0"))
             t0 = time.perf_counter()
             engine = stack.enter_context(open_engine(args.engine, str(workdir / "v0"), workdir))
-            before = greedy(engine, PROMPTS, 8)[0]
+            before = greedy(engine, PROMPTS, PROBE_TOKENS)[0]
             print(f"[recipe] {args.engine} engine {engine.name} up in "
                   f"{time.perf_counter() - t0:.1f}s; before training: {before}", flush=True)
             fleet = EngineFleet([engine])
@@ -116,21 +137,24 @@ def main() -> None:
         if join is not None:
             join.result(120)
             print(f"[recipe] engine joined the refit group (world {size[0]})", flush=True)
-        train_and_refit(args, model, source, sender, fleet)
+        batches = (replayed_batches(args.batches) if args.batches
+                   else random_batches(args.steps, model.config.vocab_size))
+        record = train_and_refit(args, model, source, sender, fleet, batches)
+        steps = len(batches)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         if rank == 0:
-            save_bf16(full, str(workdir / f"v{args.steps}"))
-            got = greedy(engine, PROMPTS, 8)
-            with open_engine(args.engine, str(workdir / f"v{args.steps}"), workdir) as fresh:
-                ref = greedy(fresh, PROMPTS, 8)
+            save_bf16(full, str(workdir / f"v{steps}"))
+            got = greedy(engine, PROMPTS, PROBE_TOKENS)
+            with open_engine(args.engine, str(workdir / f"v{steps}"), workdir) as fresh:
+                ref = greedy(fresh, PROMPTS, PROBE_TOKENS)
             assert got == ref, f"refit engine {got} != fresh engine {ref}"
             assert got[0] != before, "training changed nothing the engine serves"
             print(f"[recipe] checks passed: greedy tokens and logprobs equal a fresh engine's "
-                  f"on v{args.steps}", flush=True)
+                  f"on v{steps}", flush=True)
             if args.result:
                 Path(args.result).write_text(json.dumps(
                     {"tokens": got[0], "tokens_before": before, "fresh_tokens": ref[0],
-                     "version": engine.weight_version(), "engine": args.engine}))
+                     "version": engine.weight_version(), "engine": args.engine, **record}))
     group.destroy()
     dist.destroy_process_group()
 

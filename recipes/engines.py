@@ -43,3 +43,12 @@ def greedy(engine: EngineClient, prompts: list[list[int]],
     """Greedy tokens and logprobs of `prompts`, comparable with `==` across engines."""
     outs = engine.generate(prompts, max_tokens)
     return [o.tokens for o in outs], [o.logprobs for o in outs]
+
+
+def replayed_batches(rows_path: str) -> list[list[list[int]]]:
+    """The per-step training batches a Ray recipe recorded (`--result`), for a torchrun
+    recipe to replay: then both launches must agree on every loss and greedy token."""
+    import json
+
+    rows = json.loads(Path(rows_path).read_text())
+    return [r["batch"] for r in rows if "batch" in r]

@@ -164,6 +164,15 @@ def train_step(model: list[torch.nn.Module], opt: torch.optim.Optimizer, step: i
     return sum(losses) if last else float("nan")
 
 
+def dp_share(samples: list[list[int]]) -> torch.Tensor:
+    """This data-parallel rank's share of `samples` (every rank's list is the same) as
+    [MICROBATCHES, MICRO, SEQ + 1] micro-batches for `train_step`."""
+    from megatron.core import parallel_state as ps
+
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    return torch.tensor(samples[rank::dp]).view(MICROBATCHES, MICRO, SEQ + 1)
+
+
 def megatron_logprobs(model: list[torch.nn.Module], seqs: list[list[int]],
                       starts: list[int]) -> list[list[float]] | None:
     """Megatron's own eval forward (weights rounded to bf16 for it, as the engine holds them):

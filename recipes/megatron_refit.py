@@ -1,7 +1,7 @@
 """Megatron-Core training -> a running vLLM engine, refit after every optimizer step.
 
     torchrun --standalone --nproc-per-node 4 recipes/megatron_refit.py [--moe] [--steps 3]
-        [--engine serve|local] [--pause keep|wait|abort]
+        [--engine serve|local] [--pause keep|wait|abort] [--batches rows.json] [--result out]
 
 Default: a tiny Qwen3-like GPT on TP2 x PP2; `--moe`: Qwen3-MoE on PP2 x EP2 (x DP2). Each rank
 builds its Megatron chunk on CPU/gloo and randomises every tensor; one plain pass of
@@ -39,13 +39,14 @@ from common.config import RefitConfig  # noqa: E402
 from common.engine_client import PAUSE_MODES, EngineClient, EngineFleet  # noqa: E402
 from common.group import RefitGroup, free_port  # noqa: E402
 from common.plan import RefitPlan  # noqa: E402
-from recipes.engines import KINDS, greedy, open_engine  # noqa: E402
+from recipes.engines import KINDS, greedy, open_engine, replayed_batches  # noqa: E402
 from recipes.mcore_models import (  # noqa: E402
     DENSE,
     MOE,
     VOCAB,
     Layout,
     build_model,
+    dp_share,
     hf_config,
     megatron_logprobs,
     randomise,
@@ -173,6 +174,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pause", choices=PAUSE_MODES, default="keep",
                         help="what a refit's pause does to requests in flight")
     parser.add_argument("--result", help="rank 0 writes the checks' results here (JSON)")
+    parser.add_argument("--batches", help="train on the batches of a Ray recipe's --result "
+                        "rows (one step per batch) instead of random tokens")
     return parser.parse_args(argv)
 
 
@@ -217,14 +220,17 @@ def connect(fleet: EngineFleet | None, plan: RefitPlan) -> tuple[RefitGroup, Ref
     return group, sender
 
 
-def train_and_refit(args, layout, model, opt, source, plan, sender, fleet, workdir) -> list:
-    """Every rank: a training step, then a refit (rank 0: through the fleet: pause, refit,
-    finish as version `step`, resume), then the step's checks on rank 0. Returns the losses."""
-    trainers, losses = dist.get_world_size(), []
+def train_and_refit(args, layout, model, opt, source, plan, sender, fleet, workdir) -> dict:
+    """Every rank: a training step (on random tokens, or the `--batches` replayed), then a
+    refit (rank 0: through the fleet: pause, refit, finish as version `step`, resume), then
+    the step's checks on rank 0. Returns per step: the last rank's loss, every rank's loss
+    and (rank 0) the engine's greedy tokens."""
+    trainers, record = dist.get_world_size(), {"losses": [], "rank_losses": [], "greedy": []}
     sources = sorted({b.source_rank for b in plan.buckets})
-    for step in range(1, args.steps + 1):
+    replay = replayed_batches(args.batches) if args.batches else None
+    for step in range(1, (len(replay) if replay else args.steps) + 1):
         t1 = time.perf_counter()
-        loss = train_step(model, opt, step)
+        loss = train_step(model, opt, step, batches=dp_share(replay[step - 1]) if replay else None)
         train_s = time.perf_counter() - t1
         t1 = time.perf_counter()
         if fleet is not None:
@@ -234,15 +240,18 @@ def train_and_refit(args, layout, model, opt, source, plan, sender, fleet, workd
         total = time.perf_counter() - t1
         every = [None] * trainers
         dist.all_gather_object(every, (stats, loss))
-        losses.append(every[-1][1])
+        record["losses"].append(every[-1][1])
+        record["rank_losses"].append([x if x == x else None for _, x in every])
         full = gather_full(source, plan)  # the expected weights, by the plain route
         log(f"step {step}: train {train_s:.2f}s, loss {every[-1][1]:.4f}")
         if fleet is not None:
             log_refit(step, stats, total, every, sources)
             write_checkpoint(full, layout, str(workdir / f"v{step}"))
             engine = fleet.engines[0]
-            log(f"  greedy: {check_step(engine, str(workdir / f'v{step}'), step, layout.moe)}")
-    return losses
+            record["greedy"].append(check_step(engine, str(workdir / f"v{step}"), step,
+                                               layout.moe))
+            log(f"  greedy: {record['greedy'][-1]}")
+    return record
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -273,7 +282,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                 f"greedy before training: {before}")
             fleet = EngineFleet([engine])
         group, sender = connect(fleet, plan)
-        losses = train_and_refit(args, layout, model, opt, source, plan, sender, fleet, workdir)
+        record = train_and_refit(args, layout, model, opt, source, plan, sender, fleet, workdir)
+        steps = len(record["losses"])
         tokens = [greedy(engine, PROMPTS, NEW_TOKENS)[0] if engine else None]
         dist.broadcast_object_list(tokens, src=0)
         mega = [megatron_logprobs(model, [p + t for p, t in zip(PROMPTS, tokens[0], strict=True)],
@@ -281,9 +291,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         dist.broadcast_object_list(mega, src=trainers - 1)  # the last rank is on the last stage
         if rank == 0:
             t1 = time.perf_counter()
-            result = final_checks(engine, args.engine, str(workdir / f"v{args.steps}"), mega[0])
-            result |= {"layout": layout.label, "steps": args.steps, "tokens_before": before,
-                       "losses": losses, "engine": args.engine}
+            result = final_checks(engine, args.engine, str(workdir / f"v{steps}"), mega[0])
+            result |= {"layout": layout.label, "steps": steps, "tokens_before": before,
+                       "engine": args.engine, **record}
             log(f"checks passed in {time.perf_counter() - t1:.1f}s: {json.dumps(result)}")
             if args.result:
                 Path(args.result).write_text(json.dumps(result))

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
 
 from common.ray_cluster import RayLayout, TrainerActor  # noqa: E402
-from recipes.dtensor_fsdp_refit import tiny_qwen3  # noqa: E402
+from recipes.dtensor_fsdp_refit import PROBE_TOKENS, PROMPTS, fsdp_step, tiny_qwen3  # noqa: E402,E501
 from recipes.ray_loop import Batches, main_loop, parser  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS, SAMPLES_PER_RANK = 6, 16, 2
@@ -45,7 +45,7 @@ class FSDPTrainer(TrainerActor):
             fully_shard(layer)
         fully_shard(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank = dist.get_rank()
         return DTensorWeightSource(self.model, DtypePolicy(torch.bfloat16))
 
     def save_checkpoint(self, path: str) -> None:
@@ -63,12 +63,7 @@ class FSDPTrainer(TrainerActor):
 
     def train_step(self, samples: list[list[int]]) -> float:
         """Next-token loss on this rank's share of the samples (all of one length)."""
-        tokens = torch.tensor(samples[self.rank::self.world])
-        loss = self.model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss.item()
+        return fsdp_step(self.model, self.opt, samples)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     batches = Batches(count=SAMPLES_PER_RANK * args.trainers, prompt_len=PROMPT_LEN,
                       new_tokens=NEW_TOKENS, vocab=1000)
     layout = RayLayout(trainers=args.trainers, engines=args.engines)
-    main_loop(args, "ray-fsdp", layout, FSDPTrainer, (), batches, LLM_KWARGS)
+    main_loop(args, "ray-fsdp", layout, FSDPTrainer, (), batches, LLM_KWARGS,
+              (PROMPTS, PROBE_TOKENS))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ rank calls it; the engines start from what it writes) and `train_step(samples) -
 Engines (`AsyncLLM` with the refit backend, one async actor each) generate batch k+1 while
 the trainers train on batch k; then the engines are paused, refit and resumed, and the weight
 version is the step. Every sample carries the versions its tokens came from, read from
-vLLM's `weight_versions`. One line per step and a summary table.
+vLLM's `weight_versions` (a request a refit aborted continues from where it stopped). Rows
+record each step's batch, per-rank losses and the engines' greedy tokens on probe prompts, so
+the torchrun recipes can replay the batches (`--batches`) and must reproduce both. One line
+per step and a summary table.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from common.engine_client import PAUSE_MODES, EngineFleet
 from common.engine_config import EngineConfig
 from common.ray_cluster import RayLayout, RayPlacement, start_trainers
 from common.ray_engine import RayEngine
+from recipes.engines import greedy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,15 +60,32 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 def generate_async(engines: list[RayEngine], batch: list[list[int]], new_tokens: int) -> list:
     share = -(-len(batch) // len(engines))
-    return [e.actor.generate.remote(batch[i * share:(i + 1) * share], new_tokens,
-                                    {"ignore_eos": True}) for i, e in enumerate(engines)]
+    return [(e, e.actor.generate.remote(batch[i * share:(i + 1) * share], new_tokens,
+                                        {"ignore_eos": True})) for i, e in enumerate(engines)]
 
 
-def collect(futures: list, batch: list[list[int]], timeout_s: float) -> list[dict]:
-    outs = [o for part in ray.get(futures, timeout=timeout_s) for o in part]
-    return [{"tokens": p + o["tokens"],
-             "versions": sorted({v for v, _, _ in o["weight_versions"]}, key=int)}
-            for p, o in zip(batch, outs, strict=True)]
+def collect(pending: list, batch: list[list[int]], new_tokens: int,
+            timeout_s: float) -> list[dict]:
+    """The batch's samples: prompt + completion and the weight versions its tokens came from.
+    A request aborted by a refit (pause mode abort) continues from its partial completion on
+    the same engine, so its sample spans the versions before and after the refit."""
+    samples = []
+    for engine, future in pending:
+        for out in ray.get(future, timeout=timeout_s):
+            tokens, spans = list(out["tokens"]), list(out["weight_versions"])
+            while out["finish_reason"] == "abort" and len(tokens) < new_tokens:
+                prompt = batch[len(samples)] + tokens
+                (out,) = ray.get(engine.actor.generate.remote(
+                    [prompt], new_tokens - len(tokens), {"ignore_eos": True}), timeout=timeout_s)
+                tokens, spans = tokens + out["tokens"], spans + list(out["weight_versions"])
+            samples.append({"tokens": batch[len(samples)] + tokens,
+                            "versions": sorted({v for v, _, _ in spans}, key=int)})
+    return samples
+
+
+def probe(fleet: EngineFleet, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of the fixed probe prompts from the first engine (idle when called)."""
+    return greedy(fleet.engines[0], prompts, new_tokens)[0]
 
 
 def start(args, layout: RayLayout, actor_cls: type, actor_args: tuple, llm_kwargs: dict,
@@ -90,15 +111,18 @@ def start(args, layout: RayLayout, actor_cls: type, actor_args: tuple, llm_kwarg
 
 
 def run(args, tag: str, batches: Batches, trainers: list, fleet: EngineFleet,
-        timeout_s: float) -> list[dict]:
+        timeout_s: float, probes: tuple[list[list[int]], int]) -> list[dict]:
     """Batch k+1 generates while the trainers learn on batch k, then refit k: batch k+1 comes
-    from the weights of step k-1 (one step off; batch 1 from the start)."""
+    from the weights of step k-1 (one step off; batch 1 from the start). Before each batch
+    goes out, the probe prompts' greedy tokens show what the engines serve (row k: version
+    k-1); a torchrun recipe given the rows' batches must reproduce the losses and tokens."""
     batch, rows = batches.prompts(1), []
     pending = generate_async(fleet.engines, batch, batches.new_tokens)
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        samples = collect(pending, batch, timeout_s)  # batch `step`
+        samples = collect(pending, batch, batches.new_tokens, timeout_s)  # batch `step`
         wait_s = time.perf_counter() - t0
+        tokens = probe(fleet, *probes)
         batch = batches.prompts(step + 1)
         pending = generate_async(fleet.engines, batch, batches.new_tokens)  # during training
         t0 = time.perf_counter()
@@ -111,16 +135,22 @@ def run(args, tag: str, batches: Batches, trainers: list, fleet: EngineFleet,
         rows.append({"step": step, "loss": sum(finite) / len(finite), "wait_s": wait_s,
                      "train_s": train_s, "refit_s": time.perf_counter() - t0,
                      "versions": [s["versions"] for s in samples],
+                     "batch": [s["tokens"] for s in samples], "probe": tokens,
+                     "rank_losses": [x if x == x else None for x in losses],
                      "sender": stats[0]["summary"]})
-        row = rows[-1]
-        print(f"[{tag}] step {step}: samples from versions "
-              f"{sorted({tuple(v) for v in row['versions']})}, generate wait "
-              f"{wait_s * 1e3:.0f} ms, train {train_s * 1e3:.0f} ms (loss {row['loss']:.3f}), "
-              f"refit {row['refit_s'] * 1e3:.0f} ms (pause {args.pause}): {row['sender']}",
-              flush=True)
-    last = collect(pending, batch, timeout_s)
-    rows.append({"step": args.steps + 1, "versions": [s["versions"] for s in last]})
+        print_step(tag, rows[-1], args.pause)
+    last = collect(pending, batch, batches.new_tokens, timeout_s)
+    rows.append({"step": args.steps + 1, "versions": [s["versions"] for s in last],
+                 "probe": probe(fleet, *probes)})
     return rows
+
+
+def print_step(tag: str, row: dict, pause: str) -> None:
+    print(f"[{tag}] step {row['step']}: samples from versions "
+          f"{sorted({tuple(v) for v in row['versions']})}, generate wait "
+          f"{row['wait_s'] * 1e3:.0f} ms, train {row['train_s'] * 1e3:.0f} ms (loss "
+          f"{row['loss']:.3f}), refit {row['refit_s'] * 1e3:.0f} ms (pause {pause}): "
+          f"{row['sender']}", flush=True)
 
 
 def summary(rows: list[dict]) -> str:
@@ -134,8 +164,10 @@ def summary(rows: list[dict]) -> str:
 
 
 def main_loop(args, tag: str, layout: RayLayout, actor_cls: type, actor_args: tuple,
-              batches: Batches, llm_kwargs: dict) -> list[dict]:
-    """The whole recipe on a local cluster (or `--address`), torn down at the end."""
+              batches: Batches, llm_kwargs: dict,
+              probes: tuple[list[list[int]], int]) -> list[dict]:
+    """The whole recipe on a local cluster (or `--address`), torn down at the end. `probes`:
+    (prompts, new tokens) whose greedy tokens are recorded before each batch."""
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
            "VLLM_LOGGING_LEVEL": "ERROR"}
     ray.init(address=args.address or "local", runtime_env={"env_vars": env},
@@ -145,7 +177,7 @@ def main_loop(args, tag: str, layout: RayLayout, actor_cls: type, actor_args: tu
     try:
         placement, trainers, fleet = start(args, layout, actor_cls, actor_args, llm_kwargs,
                                            Path(tempfile.mkdtemp(prefix=f"{tag}_")))
-        rows = run(args, tag, batches, trainers, fleet, layout.timeout_s)
+        rows = run(args, tag, batches, trainers, fleet, layout.timeout_s, probes)
         print(summary(rows), flush=True)
         if args.result:
             Path(args.result).write_text(json.dumps(rows))

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
 
 from common.ray_cluster import RayLayout, TrainerActor  # noqa: E402
 from recipes.mcore_models import MAX_POS, MICRO, MICROBATCHES, SEQ, VOCAB  # noqa: E402
+from recipes.megatron_refit import NEW_TOKENS, PROMPTS  # noqa: E402
 from recipes.ray_loop import Batches, main_loop, parser  # noqa: E402
 
 TRAINERS, PROMPT_LEN = 4, 6
@@ -67,14 +68,10 @@ class MegatronTrainer(TrainerActor):
 
     def train_step(self, samples: list[list[int]]) -> float:
         """This data-parallel rank's share of the samples as Megatron micro-batches."""
-        from megatron.core import parallel_state as ps
+        from recipes.mcore_models import dp_share, train_step
 
-        from recipes.mcore_models import train_step
-
-        dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        mine = torch.tensor(samples[rank::dp]).view(MICROBATCHES, MICRO, SEQ + 1)
         self.step += 1
-        return train_step(self.model, self.opt, self.step, batches=mine)
+        return train_step(self.model, self.opt, self.step, batches=dp_share(samples))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     batches = Batches(count=MICROBATCHES * MICRO * dp, prompt_len=PROMPT_LEN,
                       new_tokens=SEQ + 1 - PROMPT_LEN, vocab=VOCAB)
     layout = RayLayout(trainers=TRAINERS, engines=args.engines)
-    main_loop(args, "ray-megatron", layout, MegatronTrainer, (args.moe,), batches, LLM_KWARGS)
+    main_loop(args, "ray-megatron", layout, MegatronTrainer, (args.moe,), batches, LLM_KWARGS,
+              (PROMPTS, NEW_TOKENS))
 
 
 if __name__ == "__main__":

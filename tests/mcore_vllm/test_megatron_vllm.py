@@ -10,32 +10,15 @@ equal the fresh engine's bit for bit.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from recipes.megatron_refit import MEGATRON_TOL, VLLM_TOL
+from tests.recipe_runner import run_recipe
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
-
-
-def run_recipe(tmp_path: Path, *flags: str) -> tuple[dict, str]:
-    result = tmp_path / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         "recipes/megatron_refit.py", "--steps", str(STEPS), "--result", str(result), *flags],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"recipe failed (rc {proc.returncode}):\n{out[-6000:]}"
-    return json.loads(result.read_text()), out
 
 
 @pytest.mark.parametrize(("flags", "label", "min_params"), [
@@ -45,7 +28,8 @@ def run_recipe(tmp_path: Path, *flags: str) -> tuple[dict, str]:
     (("--moe", "--engine", "local"), "qwen3_moe TP1xPP2xEP2", 27),
 ], ids=["dense-tp2pp2-serve", "moe-pp2ep2-local"])
 def test_megatron_training_refits_into_vllm(tmp_path, flags, label, min_params) -> None:
-    result, out = run_recipe(tmp_path, *flags)
+    result, out = run_recipe("recipes/megatron_refit.py", "--steps", str(STEPS), *flags,
+                             result=tmp_path / "result.json", nproc=4)
     assert result["layout"] == label and result["steps"] == STEPS
     assert result["version"] == str(STEPS)  # the engine serves the last refit
     if min_params:
