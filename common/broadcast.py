@@ -27,6 +27,7 @@ import torch
 
 from common import native
 from common.errors import (
+    NOTHING_LOADED,
     RefitAborted,
     RefitCommError,
     RefitError,
@@ -56,6 +57,8 @@ class RefitStats:
     pack_s: float = 0.0
     wait_s: float = 0.0  # blocked on the refit group's collectives
     load_s: float = 0.0  # receiver callback (e.g. model.load_weights)
+    buckets_loaded: int = 0  # buckets handed to the receiver callback
+    role: str = "sender"
     # Each receiving rank's own timings ({"seconds", "wait_s", "load_s"}), from the status
     # exchange at the end of a refit that landed.
     receivers: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -66,7 +69,7 @@ class RefitStats:
 
     def summary(self) -> str:
         mine = (f"produce {self.produce_s * 1e3:.1f} ms, pack {self.pack_s * 1e3:.1f} ms"
-                if self.produce_s or self.pack_s else f"load {self.load_s * 1e3:.1f} ms")
+                if self.role == "sender" else f"load {self.load_s * 1e3:.1f} ms")
         text = (f"refit v{self.version}: {self.nbytes / 1e6:.1f} MB in {self.num_buckets} "
                 f"buckets, {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s; {mine}, wait "
                 f"{self.wait_s * 1e3:.1f} ms)")
@@ -129,7 +132,8 @@ class _Endpoint:
             torch.cuda.current_stream(self.group.device).synchronize()
         stats.seconds = time.perf_counter() - t0  # this rank's work, sent to the others
         mine = "" if error is None else f"{type(error).__name__}: {error}"
-        times = {"seconds": stats.seconds, "wait_s": stats.wait_s, "load_s": stats.load_s}
+        times = {"seconds": stats.seconds, "wait_s": stats.wait_s, "load_s": stats.load_s,
+                 "buckets_loaded": stats.buckets_loaded}
         statuses = self.group.all_gather_bytes(encode_status(mine, times), STATUS_BYTES,
                                                f"refit v{stats.version} status")
         stats.seconds = time.perf_counter() - t0
@@ -137,14 +141,18 @@ class _Endpoint:
         failed = {r: rec["error"] for r, rec in records.items() if rec["error"]}
         stats.receivers = {r: rec["times"] for r, rec in records.items()
                            if r >= self.group.num_trainers and not rec["error"]}
+        untouched = all(rec["times"].get("buckets_loaded", 1) == 0
+                        for r, rec in records.items() if r >= self.group.num_trainers)
+        note = f"; {NOTHING_LOADED}" if untouched else ""
         if error is not None:
             if isinstance(error, RefitError):
-                raise error
-            raise RefitError(f"{self.group.who}: refit v{stats.version} failed: {mine}") from error
+                raise type(error)(f"{error}{note}") from error
+            raise RefitError(f"{self.group.who}: refit v{stats.version} failed: {mine}"
+                             f"{note}") from error
         if failed:
             lines = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
             raise RefitAborted(f"{self.group.who}: refit v{stats.version} did not land "
-                               f"(failed on {sorted(failed)}): {lines}")
+                               f"(failed on {sorted(failed)}): {lines}{note}")
         log.info("%s %s", self.group.who, stats.summary())
         return stats
 
@@ -299,7 +307,7 @@ class RefitReceiver(_Endpoint):
         loads opened), before the status exchange, so its failure reaches every rank too.
         """
         plan, buckets = self.plan, self.plan.buckets
-        stats = RefitStats(-1, len(buckets), plan.total_bytes)
+        stats = RefitStats(-1, len(buckets), plan.total_bytes, role="receiver")
         t0 = time.perf_counter()
         posted: dict[int, tuple[list, torch.Tensor | None]] = {}
         error: BaseException | None = None
@@ -337,6 +345,7 @@ class RefitReceiver(_Endpoint):
             else:
                 tensors = self.layouts[bucket.index].unpack()
             t1 = time.perf_counter()
+            stats.buckets_loaded += 1  # also when it fails: it may have loaded a part
             try:
                 on_bucket(tensors)
             except Exception as e:  # noqa: BLE001 - reported to every rank at the end

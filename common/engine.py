@@ -60,8 +60,8 @@ class HostedEngine(EngineClient):
     def _set_version(self, version: str) -> None:
         self._call("set_version", version=version)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int,
-                 **sampling: Any) -> list[Completion]:
+    def _generate(self, prompts: list[list[int]], max_tokens: int,
+                  **sampling: Any) -> list[Completion]:
         outs = self._call("generate", prompts=prompts, max_tokens=max_tokens, sampling=sampling)
         return [Completion(**out) for out in outs]
 
@@ -122,7 +122,9 @@ class LocalEngine(HostedEngine):
         if status == "ok":
             return value
         kind, message, trace = value
-        raise EngineError(f"engine {self.name}: {method!r} failed: {kind}: {message}\n{trace}")
+        error = EngineError(f"engine {self.name}: {method!r} failed: {kind}: {message}")
+        error.add_note(f"the engine process's traceback:\n{trace}")
+        raise error
 
     def kill(self) -> None:
         """Kill the engine process at once (tests of a peer dying mid-refit)."""

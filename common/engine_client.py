@@ -12,9 +12,10 @@ an engine in a child process of the trainer (`common.engine`), an engine in a Ra
     engine.resume()
 
 `EngineFleet` does the same for several engines (DP replicas, several servers) in one refit
-group. After a failed refit the engine stays paused: `resume()` refuses and `finish()` raises,
-naming the failed and the last complete version, until a refit lands; the version the engine
-reports stays the last complete one. A version not newer than the engine's is refused.
+group. After a failed refit the engine stays paused: `resume()` and `generate()` refuse and
+`finish()` raises, naming the failed and the last complete version, until a refit lands; the
+version the engine reports stays the last complete one. A version not newer than the
+engine's is refused.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from common.errors import RefitError
+from common.errors import NOTHING_LOADED, RefitError
 
 log = logging.getLogger(__name__)
 PauseMode = Literal["abort", "wait", "keep"]
@@ -106,9 +107,22 @@ class EngineClient(ABC):
     def _set_version(self, version: str) -> None: ...
 
     @abstractmethod
+    def _generate(self, prompts: list[list[int]], max_tokens: int,
+                  **sampling: Any) -> list[Completion]: ...
+
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  **sampling: Any) -> list[Completion]:
-        """Completions of token-id prompts (greedy unless `sampling` says otherwise)."""
+        """Completions of token-id prompts (greedy unless `sampling` says otherwise); refused
+        after a failed refit (the engine holds a mix of versions) until a refit lands."""
+        self._refuse_if_failed("serve")
+        return self._generate(prompts, max_tokens, **sampling)
+
+    def _refuse_if_failed(self, what: str) -> None:
+        if self.failed is not None:
+            version, why = self.failed
+            raise EngineError(f"engine {self.name}: refusing to {what}: refit v{version} "
+                              f"failed ({why}); it holds a mix of versions (last complete "
+                              f"v{self.version}); a refit must land first")
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
@@ -142,11 +156,7 @@ class EngineClient(ABC):
         self.paused = True
 
     def resume(self) -> None:
-        if self.failed is not None:
-            version, why = self.failed
-            raise EngineError(f"engine {self.name}: refusing to resume: refit v{version} "
-                              f"failed ({why}); it holds a mix of versions (last complete "
-                              f"v{self.version}); a refit must land first")
+        self._refuse_if_failed("resume")
         self._do("resume", self._resume)
         self.paused = False
 
@@ -199,6 +209,10 @@ class EngineClient(ABC):
         try:
             future.result(self._join_timeout_s + self.timeout_s)
         except Exception as e:  # noqa: BLE001 - recorded, then raised with both versions
+            if NOTHING_LOADED in str(e):  # every worker says so: the old weights are intact
+                raise EngineError(f"engine {self.name}: refit v{version} failed before any "
+                                  f"weight was loaded; it still serves v{self.version}: "
+                                  f"{e}") from e
             self.failed = (version, str(e))
             raise EngineError(f"engine {self.name}: refit v{version} failed; the engine stays "
                               f"paused and reports v{self.version}, the last complete version: "
@@ -258,8 +272,9 @@ class EngineFleet:
 
     def refit(self, send: Callable[[], T], version: int, mode: PauseMode = "keep") -> T:
         """Pause, receive while `send()` broadcasts (the sender's refit on training rank 0),
-        finish and resume every engine; returns what `send` returned. A failure anywhere
-        leaves every engine paused and raises."""
+        finish and resume every engine; returns what `send` returned. A failure raises; an
+        engine it left intact (no worker loaded a byte) is resumed and serves its last
+        version, the others stay paused and refuse to serve until a refit lands."""
         t0 = time.perf_counter()
         _all(self.engines, lambda e: e.check_refit(version))  # before any engine pauses
         self.pause(mode)
@@ -270,12 +285,24 @@ class EngineFleet:
         except BaseException:
             with contextlib.suppress(EngineError):  # records each engine's failure
                 self.finish(version)
+            self._resume_intact()
             raise
-        self.finish(version)
+        try:
+            self.finish(version)
+        except EngineError:
+            self._resume_intact()
+            raise
         self.resume()
         log.info("refit v%d into %d engine(s): %.1f ms paused (mode %s)", version,
                  len(self.engines), (time.perf_counter() - t0) * 1e3, mode)
         return result
+
+    def _resume_intact(self) -> None:
+        """After a failed refit: resume the engines it left intact (nothing loaded)."""
+        for engine in self.engines:
+            if engine.failed is None and engine.paused:
+                with contextlib.suppress(EngineError):
+                    engine.resume()
 
     def close(self) -> None:
         for engine in self.engines:

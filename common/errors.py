@@ -1,5 +1,9 @@
 """Refit error types; every message names the rank, bucket or tensor involved."""
 
+# Ends the message of a refit that failed before any engine worker loaded a byte of it (its
+# status exchange says so): the engines still hold their last complete version intact.
+NOTHING_LOADED = "nothing of it was loaded on any engine worker"
+
 
 class RefitError(RuntimeError):
     """Base of every refit failure."""

@@ -10,12 +10,16 @@ create a new one (a fresh `name`, or the same name once every old member has lef
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import random
+import re
 import socket
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,31 @@ _NCCL_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
 }
 _POLL_S = 20e-6  # NCCL's own blocking wait sleeps 1 ms between polls: too coarse per bucket
+ABORT_POLL_S = 0.25  # how often a waiting rank looks for another rank's abort record
+_ABORT_KEY = "abort"
+# Collectives given up on, with their group, kept alive until their own timeout has passed.
+_ABANDONED: list[tuple[float, dist.Work, object]] = []
+
+
+class _Abandoned(Exception):
+    """Another rank's abort record (or the store's death) ended this rank's wait."""
+
+
+def _spin(work: dist.Work, seconds: float) -> bool:
+    """Poll an NCCL work for up to `seconds`; whether it completed."""
+    end = time.monotonic() + seconds
+    while not work.is_completed():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(_POLL_S)
+    return True
+
+
+def _clean(error: BaseException) -> str:
+    """A backend's message without its source location and sign-off (gloo ends "GLHF!")."""
+    text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(error)).strip()
+    text = re.sub(r"\s*This is typically caused by.*$", "", text, flags=re.S)
+    return re.sub(r"\s*GLHF!?\s*\S*\s*$", "", text).strip()
 
 
 @contextlib.contextmanager
@@ -48,10 +77,27 @@ def _env(values: dict[str, str]) -> Iterator[None]:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on this host now, for rank 0 to host the refit group's store on (hand it
-    to the other ranks out of band: the training job's own group, or the engine's join call)."""
+    to the other ranks out of band: the training job's own group, or the engine's join call).
+    Picked below the kernel's ephemeral range where it can, so that the outgoing connections
+    made before the store binds it (Ray, gloo, HTTP) cannot take it meanwhile."""
+    below = range(max(1024, _ephemeral_low() - 12000), _ephemeral_low())
+    for port in random.Random().sample(below, min(64, len(below))):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class RefitGroup:
@@ -81,6 +127,7 @@ class RefitGroup:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.name = name
+        self.aborted: str | None = None  # why this rank gave the group up, once it has
         # Who holds which ranks (e.g. {2: "engine http://host:8000", ..}), named in failures.
         self.rank_names = dict(rank_names or {})
         timeout = timedelta(seconds=self.timeout_s)
@@ -91,6 +138,7 @@ class RefitGroup:
                 wait_for_workers=False,
             )
             store = dist.PrefixStore(f"refit/{name}/", self._store)
+            self._control = dist.PrefixStore(f"refit/{name}/control/", self._store)
             if self.backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
@@ -124,18 +172,82 @@ class RefitGroup:
         return self._pg.broadcast([tensor], opts)
 
     def wait(self, work: dist.Work, what: str) -> None:
-        """Finish `work` within the timeout or raise `RefitCommError` saying what it was."""
-        t0 = time.perf_counter()
+        """Finish `work` within the timeout or raise `RefitCommError` saying what it was.
+
+        While it waits, this rank looks for an abort record in the group's store every
+        `ABORT_POLL_S`: the first rank whose collective fails (or times out) writes one, so
+        every other rank gives up within that interval, whatever the timeout, and names the
+        rank that failed first. A store that stops answering (rank 0, its host, died) counts
+        as an abort. An abandoned collective is never reused: the group is dead afterwards.
+        """
+        if self.aborted is not None:
+            raise RefitCommError(f"{self.who}: {what} refused: the refit group was abandoned "
+                                 f"({self.aborted}); destroy and rebuild it")
+        t0 = time.monotonic()
         try:
-            if self.backend == "nccl":
-                self._poll(work, t0 + self.timeout_s)
-            work.wait(timedelta(seconds=self.timeout_s))
-        except Exception as e:  # noqa: BLE001 - rewrap with who/where
+            self._wait(work, t0 + self.timeout_s, what)
+        except _Abandoned as e:
+            self._abandon(work, str(e))
+            raise RefitCommError(f"{self.who}: {what} abandoned after "
+                                 f"{time.monotonic() - t0:.1f}s: {e}") from None
+        except Exception as e:  # noqa: BLE001 - rewrap with who/where, tell the others
+            cause = _clean(e) or f"{type(e).__name__}: no completion within the refit timeout"
+            self._abandon(work, cause)
+            self._post_abort(f"{what}: {cause}")
             raise RefitCommError(
-                f"{self.who}: {what} failed after {time.perf_counter() - t0:.1f}s "
+                f"{self.who}: {what} failed after {time.monotonic() - t0:.1f}s "
                 f"(timeout {self.timeout_s:.0f}s; a peer probably died or left the refit"
-                f"{self._members()}): {e}"
+                f"{self._members()}): {cause}"
             ) from e
+
+    def _wait(self, work: dist.Work, deadline: float, what: str) -> None:
+        """Wait in slices of `ABORT_POLL_S`, reading the abort record between them."""
+        while True:
+            left = deadline - time.monotonic()
+            if self.backend == "nccl":
+                if _spin(work, min(ABORT_POLL_S, max(left, 0.0))):
+                    work.wait()  # raises the collective's own error, if any
+                    return
+            else:
+                try:
+                    work.wait(timedelta(seconds=min(ABORT_POLL_S, max(left, 1e-3))))
+                    return
+                except RuntimeError:
+                    if work.is_completed():  # the collective failed, not the slice
+                        raise
+            if record := self._read_abort():
+                raise _Abandoned(record)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{what} did not complete within the refit timeout "
+                                   f"({self.timeout_s:.0f}s)")
+
+    def _post_abort(self, cause: str) -> None:
+        """Write this rank's failure as the group's abort record, unless one is there."""
+        record = json.dumps({"who": self.who, "cause": cause})
+        with contextlib.suppress(Exception):  # a dead store: the others notice it themselves
+            self._control.compare_set(_ABORT_KEY, "", record)
+
+    def _read_abort(self) -> str | None:
+        """The first failure another rank posted, or the store's own death; else None."""
+        try:
+            if not self._control.check([_ABORT_KEY]):
+                return None
+            record = json.loads(self._control.get(_ABORT_KEY))
+        except Exception as e:  # noqa: BLE001 - the store's host died or left
+            return (f"the refit group's store stopped answering ({_clean(e)}): refit rank 0 "
+                    f"(trainer), which hosts it, probably died")
+        return f"{record['who']} failed first: {record['cause']}"
+
+    def _abandon(self, work: dist.Work, why: str) -> None:
+        """Keep what the collective still holds alive (its buffers may yet be written, and
+        dropping the last reference blocks until it times out); the group is dead. An NCCL
+        communicator is aborted so that its kernels stop spinning."""
+        self.aborted = why
+        _ABANDONED[:] = [entry for entry in _ABANDONED if entry[0] > time.monotonic()]
+        _ABANDONED.append((time.monotonic() + self.timeout_s + 60.0, work, self._pg))
+        if self.backend == "nccl" and self._pg is not None:
+            with contextlib.suppress(Exception):
+                self._pg.abort()
 
     def _members(self) -> str:
         """The ranks of `rank_names` as runs (e.g. `; peers: ranks 2-3 engine X`), or ""."""
@@ -147,14 +259,6 @@ class RefitGroup:
                 runs.append([rank, rank, self.rank_names[rank]])
         parts = [f"rank {a} {n}" if a == b else f"ranks {a}-{b} {n}" for a, b, n in runs]
         return f"; peers: {', '.join(parts)}" if parts else ""
-
-    def _poll(self, work: dist.Work, deadline: float) -> None:
-        """Host-side wait for an NCCL work with a deadline; aborts the group when it passes."""
-        while not work.is_completed():
-            if time.perf_counter() > deadline:
-                self.destroy()  # abort the communicator so its kernels stop spinning
-                raise TimeoutError("NCCL collective did not complete")
-            time.sleep(_POLL_S)
 
     def broadcast_bytes(self, data: bytes | None, src: int, what: str) -> bytes:
         """Broadcast a byte string of any length from `src` (two collectives: length, data)."""
@@ -184,4 +288,4 @@ class RefitGroup:
         if pg is not None and self.backend == "nccl":
             with contextlib.suppress(Exception):
                 pg.abort()
-        self._store = None
+        self._store = self._control = None

@@ -62,4 +62,5 @@ def agree_on_plan(
     if failed:
         lines = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
         raise PlanMismatchError(f"{group.who}: refit plan mismatch at setup: {lines}")
+    group.timeout_s = theirs.config.timeout_s  # the join timeout covered the rendezvous
     return theirs

@@ -93,8 +93,8 @@ class HttpEngine(EngineClient):
         return bool(self._json("GET", "/is_paused")["is_paused"])
 
     # --- generation --------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], max_tokens: int, *,
-                 data_parallel_rank: int | None = None, **sampling: Any) -> list[Completion]:
+    def _generate(self, prompts: list[list[int]], max_tokens: int, *,
+                  data_parallel_rank: int | None = None, **sampling: Any) -> list[Completion]:
         """One non-streaming request per prompt, in order (greedy, logprobs 1 by default);
         `data_parallel_rank` sends them to one DP replica (to compare replicas)."""
         out, headers = [], _dp_header(data_parallel_rank)

@@ -6,13 +6,16 @@ per engine (one bundle per worker), PACK or SPREAD as the user picks, and hands 
 scheduling options for each actor. `TrainerActor` is the base of a trainer rank in a Ray
 actor: `start_trainers` starts `torch.distributed` among them (MASTER_ADDR = the rank-0
 actor's node IP, a port free on that node) and their refit group follows the same rule, so
-nothing assumes one host. Imports ray and torch, never vllm or megatron.
+nothing assumes one host. It returns a `TrainerGroup`: calls on every rank at once, each
+with a timeout, the first failure raised naming the rank, its node and pid, and whether the
+actor died or raised. Imports ray and torch, never vllm or megatron.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +113,10 @@ class TrainerActor(ABC):
         self.args, self.sender, self.source = args, None, None
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
+    def whereabouts(self) -> tuple[str, int]:
+        """This actor's node IP and pid (also a liveness check)."""
+        return ray.util.get_node_ip_address(), os.getpid()
+
     def address(self) -> tuple[str, int]:
         """This actor's node IP and a port free there (rank 0 hosts the stores)."""
         ip = ray.util.get_node_ip_address()
@@ -146,14 +153,74 @@ class TrainerActor(ABC):
             dist.destroy_process_group()
 
 
-def start_trainers(actor_cls: type, placement: RayPlacement, *args: Any) -> list[Any]:
+class TrainerFailure(RuntimeError):
+    """A trainer actor died or raised during a call; the message names its rank."""
+
+
+class TrainerGroup:
+    """The trainer actors of one job, in rank order (see `start_trainers`)."""
+
+    def __init__(self, actors: list[Any], timeout_s: float) -> None:
+        self.actors, self.timeout_s = actors, timeout_s
+        self.where = self.call("whereabouts")  # (node IP, pid) per rank
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """`method(*args)` on every rank at once; their results in rank order."""
+        futures = [getattr(a, method).remote(*args) for a in self.actors]
+        return self.wait(futures, method, self.timeout_s if timeout_s is None else timeout_s)
+
+    def wait(self, futures: list[Any], what: str, timeout_s: float) -> list[Any]:
+        """Results of one future per rank; the first to fail raises at once (the others may
+        be blocked on the failed rank), naming it; ranks still busy at the deadline too."""
+        rank_of = {f: r for r, f in enumerate(futures)}
+        pending, deadline = list(futures), time.monotonic() + timeout_s
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1,
+                                     timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                late = sorted(rank_of[f] for f in pending)
+                raise TrainerFailure(f"trainer rank(s) {late} did not finish {what} within "
+                                     f"{timeout_s:.0f}s")
+            try:
+                ray.get(done[0], timeout=timeout_s)
+            except ray.exceptions.RayActorError as e:
+                raise TrainerFailure(f"{self._name(rank_of[done[0]])} died during {what}: "
+                                     f"{_first_line(e)}") from e
+            except ray.exceptions.RayTaskError as e:
+                raise TrainerFailure(f"{self._name(rank_of[done[0]])} failed in {what}: "
+                                     f"{type(e.cause).__name__}: {e.cause}") from e
+        return ray.get(futures, timeout=timeout_s)
+
+    def refit(self, fleet: Any, version: int, mode: str = "keep") -> list[dict[str, Any]]:
+        """Refit `version` into an `EngineFleet`; every rank's stats. A rank found dead
+        first leaves the engines serving (they are paused only after every rank answered)."""
+        self.call("whereabouts")
+        return fleet.refit(lambda: self.call("refit", version), version, mode)
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
+    def _name(self, rank: int) -> str:
+        where = getattr(self, "where", None)
+        return f"trainer rank {rank}" + (f" (pid {where[rank][1]} on {where[rank][0]})"
+                                         if where else "")
+
+
+def _first_line(error: BaseException) -> str:
+    return next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
+def start_trainers(actor_cls: type, placement: RayPlacement, *args: Any) -> TrainerGroup:
     """`layout.trainers` actors of `actor_cls` (a `TrainerActor`), one per trainer bundle,
     with `torch.distributed` up among them (each has run `build()`)."""
     layout = placement.layout
     remote = ray.remote(max_restarts=0)(actor_cls)
     actors = [remote.options(**placement.trainer_options(r)).remote(*args)
               for r in range(layout.trainers)]
+    trainers = TrainerGroup(actors, layout.timeout_s)
     addr, port = ray.get(actors[0].address.remote(), timeout=layout.timeout_s)
-    ray.get([a.init_distributed.remote(r, layout.trainers, addr, port)
-             for r, a in enumerate(actors)], timeout=layout.timeout_s)
-    return actors
+    futures = [a.init_distributed.remote(r, layout.trainers, addr, port)
+               for r, a in enumerate(actors)]
+    trainers.wait(futures, "init_distributed", layout.timeout_s)
+    return trainers

@@ -51,7 +51,10 @@ class RayEngine(HostedEngine):
 
     def _call(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        return ray.get(getattr(self.actor, method).remote(**kwargs), timeout=timeout_s)
+        try:
+            return ray.get(getattr(self.actor, method).remote(**kwargs), timeout=timeout_s)
+        except ray.exceptions.RayTaskError as e:  # the host's own error, not Ray's traceback
+            raise e.cause from e
 
     def kill(self) -> None:
         ray.kill(self.actor, no_restart=True)

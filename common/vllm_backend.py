@@ -165,7 +165,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             nonlocal finalized
             finalized = True
             finalize_layerwise_reload(model, self.model_config)
-            _redo_cpu_moe_prepack(model)
+            _redo_cpu_moe_prepack(model, loaded)
             if missing := sorted(_loadable(model) - loaded):
                 raise RuntimeError(f"no value arrived for {len(missing)} param(s), e.g. "
                                    f"{missing[0]!r}")
@@ -177,7 +177,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             if not finalized:  # the group failed mid-refit: close the reload session anyway
                 try:
                     finalize_layerwise_reload(model, self.model_config)
-                    _redo_cpu_moe_prepack(model)
+                    _redo_cpu_moe_prepack(model, loaded)
                 except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
                     log.exception("closing the reload session of failed refit v%d", version)
         self.last_version, self.landed = version, True
@@ -219,12 +219,15 @@ def _loadable(model: torch.nn.Module) -> set[str]:
     return names & {n for n, _ in model.named_parameters()}
 
 
-def _redo_cpu_moe_prepack(model: torch.nn.Module) -> None:
+def _redo_cpu_moe_prepack(model: torch.nn.Module, loaded: set[str]) -> None:
     """vLLM's CPU fused-MoE kernels keep a prepacked copy of the experts that an in-place
-    reload does not refresh (generation stays silently wrong): redo that prepack."""
-    for module in model.modules():
+    reload does not refresh (generation stays silently wrong): redo that prepack, for the
+    layers this refit loaded only (it re-lays out whatever it is given: run on weights it
+    already packed, it would change weights a failed refit never touched)."""
+    for prefix, module in model.named_modules():
         experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None),
                           "fused_experts", None)
         weight = getattr(module, "w13_weight", None)
-        if experts is not None and weight is not None and weight.device.type == "cpu":
+        if (experts is not None and weight is not None and weight.device.type == "cpu"
+                and {f"{prefix}.w13_weight", f"{prefix}.w2_weight"} & loaded):
             experts.process_weights_after_loading(module)

@@ -24,9 +24,15 @@ import ray
 import torch
 
 from common.config import RefitConfig
-from common.engine_client import PAUSE_MODES, EngineFleet
+from common.engine_client import PAUSE_MODES, EngineError, EngineFleet
 from common.engine_config import EngineConfig
-from common.ray_cluster import RayLayout, RayPlacement, start_trainers
+from common.ray_cluster import (
+    RayLayout,
+    RayPlacement,
+    TrainerFailure,
+    TrainerGroup,
+    start_trainers,
+)
 from common.ray_engine import RayEngine
 from recipes.engines import greedy
 
@@ -54,6 +60,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--pause", choices=PAUSE_MODES, default="keep")
     p.add_argument("--address", help="a running Ray cluster (default: start a local one)")
     p.add_argument("--result", help="write the per-step rows here (JSON)")
+    p.add_argument("--workdir", help="where trainer rank 0 writes the engines' starting "
+                   "checkpoint: on a multi-node cluster, storage every node sees "
+                   "(default: a new temporary directory)")
     p.add_argument("--verbose", action="store_true", help="show the actors' own logs")
     return p
 
@@ -95,22 +104,21 @@ def start(args, layout: RayLayout, actor_cls: type, actor_args: tuple, llm_kwarg
     placement = RayPlacement(layout)
     trainers = start_trainers(actor_cls, placement, *actor_args)
     ckpt = str(workdir / "v0")
-    ray.get([t.save_checkpoint.remote(ckpt) for t in trainers], timeout=layout.timeout_s)
+    trainers.call("save_checkpoint", ckpt)
     config = EngineConfig(model=ckpt, llm_kwargs=llm_kwargs)
     engines = [RayEngine.start(config, serving=True, name=f"engine-{i}",
                                **placement.engine_options(i)) for i in range(layout.engines)]
     fleet = EngineFleet(engines)
-    host, port = ray.get(trainers[0].address.remote(), timeout=layout.timeout_s)
+    host, port = ray.get(trainers.actors[0].address.remote(), timeout=layout.timeout_s)
     joining = fleet.join_async(host, port, layout.trainers, timeout_s=layout.timeout_s)
     refit_config = RefitConfig.from_env(bucket_bytes=4 << 20, timeout_s=layout.timeout_s)
-    ray.get([t.join_refit.remote(host, port, fleet.world_size(layout.trainers),
-                                 fleet.rank_names(layout.trainers), refit_config,
-                                 layout.timeout_s) for t in trainers], timeout=layout.timeout_s)
+    trainers.call("join_refit", host, port, fleet.world_size(layout.trainers),
+                  fleet.rank_names(layout.trainers), refit_config, layout.timeout_s)
     joining.result(layout.timeout_s)
     return placement, trainers, fleet
 
 
-def run(args, tag: str, batches: Batches, trainers: list, fleet: EngineFleet,
+def run(args, tag: str, batches: Batches, trainers: TrainerGroup, fleet: EngineFleet,
         timeout_s: float, probes: tuple[list[list[int]], int]) -> list[dict]:
     """Batch k+1 generates while the trainers learn on batch k, then refit k: batch k+1 comes
     from the weights of step k-1 (one step off; batch 1 from the start). Before each batch
@@ -126,11 +134,9 @@ def run(args, tag: str, batches: Batches, trainers: list, fleet: EngineFleet,
         batch = batches.prompts(step + 1)
         pending = generate_async(fleet.engines, batch, batches.new_tokens)  # during training
         t0 = time.perf_counter()
-        losses = ray.get([t.train_step.remote([s["tokens"] for s in samples])
-                          for t in trainers], timeout=timeout_s)
+        losses = trainers.call("train_step", [s["tokens"] for s in samples])
         train_s, t0 = time.perf_counter() - t0, time.perf_counter()
-        stats = fleet.refit(lambda s=step: ray.get([t.refit.remote(s) for t in trainers],
-                                                   timeout=timeout_s), step, args.pause)
+        stats = trainers.refit(fleet, step, args.pause)
         finite = [x for x in losses if x == x]  # ranks off the last pipeline stage say nan
         rows.append({"step": step, "loss": sum(finite) / len(finite), "wait_s": wait_s,
                      "train_s": train_s, "refit_s": time.perf_counter() - t0,
@@ -176,17 +182,20 @@ def main_loop(args, tag: str, layout: RayLayout, actor_cls: type, actor_args: tu
     placement = trainers = fleet = None
     try:
         placement, trainers, fleet = start(args, layout, actor_cls, actor_args, llm_kwargs,
-                                           Path(tempfile.mkdtemp(prefix=f"{tag}_")))
+                                           Path(args.workdir or tempfile.mkdtemp(prefix=f"{tag}_")))
         rows = run(args, tag, batches, trainers, fleet, layout.timeout_s, probes)
         print(summary(rows), flush=True)
         if args.result:
             Path(args.result).write_text(json.dumps(rows))
         return rows
+    except (TrainerFailure, EngineError) as e:  # the engines say what they now serve
+        print(f"[{tag}] stopped: {e}", flush=True)
+        raise SystemExit(1) from e
     finally:
         if fleet is not None:
             fleet.close()
-        for t in trainers or []:
-            ray.kill(t)
+        if trainers is not None:
+            trainers.kill()
         if placement is not None:
             placement.remove()
         ray.shutdown()

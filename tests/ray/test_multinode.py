@@ -70,7 +70,7 @@ def test_trainers_and_an_engine_on_different_nodes_refit(cluster, tmp_path) -> N
                        engine_resources={"engine_node": 1}, strategy="SPREAD",
                        timeout_s=TIMEOUT_S)
     placement = RayPlacement(layout)
-    trainers, fleet = [], None
+    trainers = fleet = None
     try:
         trainer_ips, engine_ips = (_node_ips(cluster, placement.trainer_group),
                                    _node_ips(cluster, placement.engine_groups[0]))
@@ -81,16 +81,14 @@ def test_trainers_and_an_engine_on_different_nodes_refit(cluster, tmp_path) -> N
             "kv_cache_memory_bytes": 64 << 20, "max_model_len": 64, "max_num_seqs": 4})
         engine = RayEngine.start(config, name="engine@127.0.0.2", **placement.engine_options(0))
         fleet = EngineFleet([engine])
-        host, port = cluster.get(trainers[0].address.remote(), timeout=TIMEOUT_S)
+        host, port = cluster.get(trainers.actors[0].address.remote(), timeout=TIMEOUT_S)
         assert host in trainer_ips  # the refit group's store lives on the trainers' node
         joining = fleet.join_async(host, port, 2, timeout_s=TIMEOUT_S)
-        cluster.get([t.join_refit.remote(host, port, fleet.world_size(2), fleet.rank_names(2),
-                                         RefitConfig(bucket_bytes=64 << 10), TIMEOUT_S)
-                     for t in trainers], timeout=TIMEOUT_S)
+        trainers.call("join_refit", host, port, fleet.world_size(2), fleet.rank_names(2),
+                      RefitConfig(bucket_bytes=64 << 10), TIMEOUT_S)
         joining.result(TIMEOUT_S)
         before = engine.generate([[1, 2, 3]], 6)
-        stats = fleet.refit(lambda: cluster.get([t.refit.remote(1) for t in trainers],
-                                                timeout=TIMEOUT_S), 1)
+        stats = trainers.refit(fleet, 1)
         assert [s["version"] for s in stats] == [1, 1] and sorted(stats[0]["receivers"]) == [2]
         (after,) = engine.generate([[1, 2, 3]], 6)
         assert engine.weight_version() == "1" and after.weight_versions == [("1", 0, 6)]
@@ -98,7 +96,7 @@ def test_trainers_and_an_engine_on_different_nodes_refit(cluster, tmp_path) -> N
     finally:
         if fleet is not None:
             fleet.close()
-        for t in trainers:
-            cluster.get(t.shutdown.remote(), timeout=TIMEOUT_S)
-            cluster.kill(t)
+        if trainers is not None:
+            trainers.call("shutdown")
+            trainers.kill()
         placement.remove()

@@ -87,3 +87,19 @@ class KillingSource(DictWeightSource):
                 self.killed_at = time.monotonic()
             time.sleep(self.delay_s)
             yield item
+
+
+def wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:
+    """Wait until none of `pids` runs (zombies count as gone); returns the survivors."""
+    import psutil
+
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in pids if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left

@@ -17,6 +17,7 @@ from tests.vllm.helpers import (
     greedy,
     join_one_trainer,
     start_engine,
+    wait_gone,
 )
 
 pytestmark = pytest.mark.slow
@@ -92,8 +93,6 @@ def test_a_serving_engine_actor_killed_mid_refit_fails_the_trainer_and_leaves_no
     """`ray.kill` of the engine actor mid-refit: the trainer raises within the timeout + a
     margin naming the engine, no process of the actor's tree survives, and a replacement
     engine joins a rebuilt group and takes the next refit."""
-    import psutil
-
     from common.engine_config import EngineConfig
     from common.errors import RefitError
     from common.ray_engine import RayEngine
@@ -107,13 +106,6 @@ def test_a_serving_engine_actor_killed_mid_refit_fails_the_trainer_and_leaves_no
     pids = engine._call("pids")
     assert len(pids) >= 2  # the actor and vLLM's engine core at least
 
-    def alive() -> list[int]:
-        def running(pid: int) -> bool:
-            try:
-                return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                return False
-        return [p for p in pids if running(p)]
     trainer = join_one_trainer([engine], state, timeout_s=10)
     slow = KillingSource(state, lambda: ray_cluster.kill(engine.actor), after=5)
     with pytest.raises(RefitError) as failure:
@@ -121,10 +113,7 @@ def test_a_serving_engine_actor_killed_mid_refit_fails_the_trainer_and_leaves_no
     elapsed = time.monotonic() - slow.killed_at
     print(f"[ray] the trainer raised {elapsed:.2f} s after the kill: {failure.value}")
     assert elapsed < 10 + 5 and "engine doomed" in str(failure.value)
-    deadline = time.monotonic() + 10
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert alive() == [], "processes of the killed engine survived"
+    assert wait_gone(pids) == [], "processes of the killed engine survived"
     trainer.group.destroy()
     replacement = RayEngine.start(config, serving=True, name="replacement")
     try:
