@@ -97,7 +97,7 @@ def timed(fn: Callable[[], object], args: argparse.Namespace, device: torch.devi
 def stats_dict(stats: RefitStats | None) -> dict[str, float]:
     if stats is None:
         return {}
-    keys = ("seconds", "produce_s", "pack_s", "wait_s", "load_s")
+    keys = ("seconds", "produce_s", "pack_s", "wait_s", "load_s", "checksum_s")
     return {"num_buckets": stats.num_buckets, **{k: round(getattr(stats, k), 6) for k in keys}}
 
 
@@ -145,8 +145,8 @@ def time_refits(group: RefitGroup, specs: list[TensorSpec], source: WeightSource
                 barrier: Callable[[], None]) -> tuple[list[float], dict[str, Any]]:
     """Set up this rank's end (a sender of `source` on a training rank) of a plan of `specs`
     with `buffers` buffers, time its refits; (times, the last refit's stats)."""
-    config = RefitConfig(bucket_bytes=args.bucket_bytes, num_buffers=buffers,
-                         timeout_s=args.timeout)
+    config = RefitConfig.from_env(bucket_bytes=args.bucket_bytes, num_buffers=buffers,
+                                  timeout_s=args.timeout)  # REFIT_CHECKSUM=0 measures its cost
     plan = RefitPlan.build(specs, config)
     end = (RefitSender.setup(group, plan) if group.is_trainer
            else RefitReceiver.setup(group, plan))

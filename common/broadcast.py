@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common import native
+from common import checksum, native
 from common.errors import (
     NOTHING_LOADED,
     RefitAborted,
@@ -58,6 +58,7 @@ class RefitStats:
     wait_s: float = 0.0  # blocked on the refit group's collectives
     load_s: float = 0.0  # receiver callback (e.g. model.load_weights)
     buckets_loaded: int = 0  # buckets handed to the receiver callback
+    checksum_s: float = 0.0  # receiver: checking the received bytes against the sender's
     role: str = "sender"
     # Each receiving rank's own timings ({"seconds", "wait_s", "load_s"}), from the status
     # exchange at the end of a refit that landed.
@@ -69,7 +70,8 @@ class RefitStats:
 
     def summary(self) -> str:
         mine = (f"produce {self.produce_s * 1e3:.1f} ms, pack {self.pack_s * 1e3:.1f} ms"
-                if self.role == "sender" else f"load {self.load_s * 1e3:.1f} ms")
+                if self.role == "sender" else f"load {self.load_s * 1e3:.1f} ms, checksum "
+                                               f"{self.checksum_s * 1e3:.1f} ms")
         text = (f"refit v{self.version}: {self.nbytes / 1e6:.1f} MB in {self.num_buckets} "
                 f"buckets, {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s; {mine}, wait "
                 f"{self.wait_s * 1e3:.1f} ms)")
@@ -87,6 +89,7 @@ class _Endpoint:
     def __init__(self, group: RefitGroup, plan: RefitPlan) -> None:
         self.group, self.plan = group, plan
         self.num_buffers = plan.config.num_buffers
+        self.checksums = plan.config.checksum and checksum.supported(group.device)
         self.payload_start = align_up(HEADER_BYTES, plan.config.alignment)
         size = self.payload_start + plan.buffer_bytes
         dev = group.device
@@ -103,7 +106,8 @@ class _Endpoint:
 
     def header(self, bucket: Bucket, version: int, error: BaseException | None) -> Header:
         if error is None:
-            return Header(bucket.index, len(self.plan.buckets), version, self.plan.digest)
+            return Header(bucket.index, len(self.plan.buckets), version, self.plan.digest,
+                          checksummed=self.checksums)
         return Header(bucket.index, len(self.plan.buckets), version, self.plan.digest,
                       STATUS_ABORT, f"{type(error).__name__}: {error}")
 
@@ -116,6 +120,10 @@ class _Endpoint:
 
     def bucket_buffer(self, bucket: Bucket) -> torch.Tensor:
         return self.buffers[bucket.index % self.num_buffers][: self.payload_start + bucket.nbytes]
+
+    def payload(self, bucket: Bucket) -> torch.Tensor:
+        """A packed bucket's bytes in its buffer (after the header)."""
+        return self.bucket_buffer(bucket)[self.payload_start:]
 
     def wait_all(self, works: Sequence[tuple[object, str]], stats: RefitStats) -> None:
         t0 = time.perf_counter()
@@ -235,6 +243,8 @@ class RefitSender(_Endpoint):
                 wire = table[bucket.index]
             elif is_src:
                 wire[:HEADER_BYTES].copy_(table[bucket.index], non_blocking=True)
+            if is_src and error is None and self.checksums:
+                checksum.stamp(wire, payload if bucket.direct else self.payload(bucket))
             src = bucket.source_rank
             if bucket.direct:
                 if payload is None:  # not the source, or aborting: bytes to receive / discard
@@ -337,7 +347,7 @@ class RefitReceiver(_Endpoint):
                 error = error or RefitAborted(f"{self.group.who}: sender rank "
                                               f"{bucket.source_rank} aborted refit "
                                               f"v{header.version}: {header.message}")
-            if error is not None:
+            if error is not None or (error := self._verify(bucket, header, target, stats)):
                 continue
             if bucket.oversize:  # its own fresh tensor: typed view of the received bytes
                 spec = plan.specs[bucket.start]
@@ -356,6 +366,23 @@ class RefitReceiver(_Endpoint):
         if on_done is not None:
             error = self._run_on_done(on_done, stats, error)
         return self.finish(stats, error, t0)
+
+    def _verify(self, bucket: Bucket, header: Header, target: torch.Tensor | None,
+                stats: RefitStats) -> RefitError | None:
+        """The received bytes against the sender's checksum (if it sent one): an error naming
+        the bucket and its tensors if they differ, before anything of them is loaded."""
+        if not header.checksummed:
+            return None
+        t0 = time.perf_counter()
+        got = checksum.crc32(target if bucket.direct else self.payload(bucket))
+        stats.checksum_s += time.perf_counter() - t0
+        if got == header.checksum:
+            return None
+        specs = self.plan.bucket_specs(bucket)
+        return RefitError(f"{self.group.who}: refit v{header.version} bucket {bucket.index}/"
+                          f"{len(self.plan.buckets)} arrived corrupted ({bucket.nbytes} bytes of "
+                          f"{specs[0].name!r}..{specs[-1].name!r}): CRC-32 {got:#010x}, the "
+                          f"sender's {header.checksum:#010x}; it was not loaded")
 
     def _run_on_done(self, on_done: Callable[[], None], stats: RefitStats,
                      error: BaseException | None) -> BaseException | None:

@@ -6,12 +6,22 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+
+def boolean(raw: str) -> bool:
+    """1 / 0, true / false, yes / no, on / off."""
+    word = raw.strip().lower()
+    if word in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return word in ("1", "true", "yes", "on")
+    raise ValueError(raw)
+
+
 _ENV = {
     "bucket_bytes": ("REFIT_BUCKET_BYTES", int),
     "num_buffers": ("REFIT_NUM_BUFFERS", int),
     "timeout_s": ("REFIT_TIMEOUT_S", float),
     "alignment": ("REFIT_ALIGNMENT", int),
     "direct_bytes": ("REFIT_DIRECT_BYTES", int),
+    "checksum": ("REFIT_CHECKSUM", boolean),
 }
 
 
@@ -34,6 +44,9 @@ class RefitConfig:
         bucket costs a second, tiny collective for its header (on one H200 ~65 us of host time
         per direct bucket vs ~30 us per packed tensor-free broadcast), so on GPUs it pays only
         for large tensors; CPU/gloo, where packing costs CPU time, gains from a lower value.
+    checksum: the sender stamps each bucket's payload checksum into its header and every
+        receiver checks the bytes it received before loading them (`common.checksum`; CPU
+        groups; what it costs is measured by `bench/broadcast_bench.py`).
     """
 
     bucket_bytes: int = 256 << 20
@@ -41,6 +54,7 @@ class RefitConfig:
     timeout_s: float = 300.0
     alignment: int = 256
     direct_bytes: int = 64 << 20
+    checksum: bool = True
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> RefitConfigError:
@@ -60,6 +74,8 @@ class RefitConfig:
             raise bad("num_buffers", "more than 16 buffers only costs memory")
         if self.alignment < 1 or self.alignment & (self.alignment - 1) or self.alignment > 4096:
             raise bad("alignment", "must be a power of two between 1 and 4096")
+        if not isinstance(self.checksum, bool):
+            raise bad("checksum", "must be a bool")
         if not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:
             raise bad("timeout_s", "must be a positive number of seconds")
 

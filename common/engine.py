@@ -104,27 +104,37 @@ class LocalEngine(HostedEngine):
             if not self._proc.is_alive():
                 raise EngineError(f"engine {self.name}: process is gone (exit code "
                                   f"{self._proc.exitcode}); {method!r} not sent")
-            self._conn.send((method, kwargs))
+            try:
+                self._conn.send((method, kwargs))
+            except OSError:  # the pipe broke: the process is dying
+                raise self._died(method) from None
             return self._answer(method, timeout_s)
         finally:
             self._lock.release()
 
     def _answer(self, method: str, timeout_s: float) -> Any:
         deadline = time.monotonic() + timeout_s
-        while not self._conn.poll(0.1):
-            if not self._proc.is_alive():
-                raise EngineError(f"engine {self.name}: process died (exit code "
-                                  f"{self._proc.exitcode}) during {method!r}")
-            if time.monotonic() > deadline:
-                raise EngineError(f"engine {self.name}: no answer to {method!r} in "
-                                  f"{timeout_s:.0f}s")
-        status, value = self._conn.recv()
+        try:
+            while not self._conn.poll(0.1):
+                if not self._proc.is_alive():
+                    raise self._died(method)
+                if time.monotonic() > deadline:
+                    raise EngineError(f"engine {self.name}: no answer to {method!r} in "
+                                      f"{timeout_s:.0f}s")
+            status, value = self._conn.recv()
+        except (EOFError, OSError):  # the pipe closed under the call: the process died
+            raise self._died(method) from None
         if status == "ok":
             return value
         kind, message, trace = value
         error = EngineError(f"engine {self.name}: {method!r} failed: {kind}: {message}")
         error.add_note(f"the engine process's traceback:\n{trace}")
         raise error
+
+    def _died(self, method: str) -> EngineError:
+        self._proc.join(timeout=5)  # for its exit code
+        return EngineError(f"engine {self.name}: process died (exit code "
+                           f"{self._proc.exitcode}) during {method!r}")
 
     def kill(self) -> None:
         """Kill the engine process at once (tests of a peer dying mid-refit)."""

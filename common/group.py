@@ -3,8 +3,11 @@
 Built straight on a TCPStore and a backend object, so it can be created inside a process that
 already has a default group (torchrun) or vLLM's own groups, and never touches either. gloo on
 CPU, NCCL on CUDA; every collective has a timeout, and a failure raises `RefitCommError` naming
-this rank, its role and what it was doing. After a failure the group is dead: `destroy()` it and
-create a new one (a fresh `name`, or the same name once every old member has left).
+this rank, its role and what it was doing. The first rank to fail posts an abort record in the
+group's store, which every waiting rank reads within `ABORT_POLL_S` (see `RefitGroup.wait`), so
+a death is felt everywhere in well under a second, not after the timeout. After a failure the
+group is dead: `destroy()` it and create a new one (a fresh `name`, or the same name once every
+old member has left).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 from common.errors import RefitCommError
@@ -34,6 +38,7 @@ _NCCL_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
 }
 _POLL_S = 20e-6  # NCCL's own blocking wait sleeps 1 ms between polls: too coarse per bucket
+_BACKEND_GRACE_S = 30.0
 ABORT_POLL_S = 0.25  # how often a waiting rank looks for another rank's abort record
 _ABORT_KEY = "abort"
 # Collectives given up on, with their group, kept alive until their own timeout has passed.
@@ -168,8 +173,13 @@ class RefitGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        opts.timeout = timedelta(seconds=self.timeout_s)
+        opts.timeout = self._backend_timeout()
         return self._pg.broadcast([tensor], opts)
+
+    def _backend_timeout(self) -> timedelta:
+        """The backend's own timeout for a collective: past `wait`'s deadline, so that the
+        wait (which says what expired) decides, and an abandoned op ends some time later."""
+        return timedelta(seconds=self.timeout_s + _BACKEND_GRACE_S)
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Finish `work` within the timeout or raise `RefitCommError` saying what it was.
@@ -189,15 +199,17 @@ class RefitGroup:
         except _Abandoned as e:
             self._abandon(work, str(e))
             raise RefitCommError(f"{self.who}: {what} abandoned after "
-                                 f"{time.monotonic() - t0:.1f}s: {e}") from None
+                                 f"{time.monotonic() - t0:.1f}s: {e}{self._members()}") from None
         except Exception as e:  # noqa: BLE001 - rewrap with who/where, tell the others
-            cause = _clean(e) or f"{type(e).__name__}: no completion within the refit timeout"
+            cause = _clean(e) or type(e).__name__
+            earlier = self._read_abort()  # another rank's failure may be the root cause
             self._abandon(work, cause)
-            self._post_abort(f"{what}: {cause}")
+            if earlier is None:
+                self._post_abort(f"{what}: {cause}")
             raise RefitCommError(
                 f"{self.who}: {what} failed after {time.monotonic() - t0:.1f}s "
                 f"(timeout {self.timeout_s:.0f}s; a peer probably died or left the refit"
-                f"{self._members()}): {cause}"
+                f"{self._members()}): {cause}" + (f"; {earlier}" if earlier else "")
             ) from e
 
     def _wait(self, work: dist.Work, deadline: float, what: str) -> None:
@@ -218,8 +230,8 @@ class RefitGroup:
             if record := self._read_abort():
                 raise _Abandoned(record)
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{what} did not complete within the refit timeout "
-                                   f"({self.timeout_s:.0f}s)")
+                raise TimeoutError(f"no completion within the refit timeout "
+                                   f"({self.timeout_s:.0f}s: RefitConfig.timeout_s)")
 
     def _post_abort(self, cause: str) -> None:
         """Write this rank's failure as the group's abort record, unless one is there."""
@@ -244,7 +256,8 @@ class RefitGroup:
         communicator is aborted so that its kernels stop spinning."""
         self.aborted = why
         _ABANDONED[:] = [entry for entry in _ABANDONED if entry[0] > time.monotonic()]
-        _ABANDONED.append((time.monotonic() + self.timeout_s + 60.0, work, self._pg))
+        _ABANDONED.append((time.monotonic() + self.timeout_s + 2 * _BACKEND_GRACE_S, work,
+                           self._pg))
         if self.backend == "nccl" and self._pg is not None:
             with contextlib.suppress(Exception):
                 self._pg.abort()
@@ -279,7 +292,9 @@ class RefitGroup:
             mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         mine = mine.to(self.device)
         outs = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self.wait(self._pg.allgather([outs], [mine]), what)
+        opts = c10d.AllgatherOptions()
+        opts.timeout = self._backend_timeout()
+        self.wait(self._pg.allgather([outs], [mine], opts), what)
         return [bytes(o.cpu().numpy().tobytes()).rstrip(b"\0") for o in outs]
 
     def destroy(self) -> None:

@@ -191,8 +191,10 @@ class RefitPlan:
         }
 
     def to_dict(self) -> dict:
-        """Plain JSON-able form (plus the timeout and digest) for sending once at setup."""
-        return {**self._body(), "timeout_s": self.config.timeout_s, "digest": self.digest}
+        """Plain JSON-able form (plus the timeout, the checksum switch and the digest) for
+        sending once at setup."""
+        return {**self._body(), "timeout_s": self.config.timeout_s,
+                "checksum": self.config.checksum, "digest": self.digest}
 
     @classmethod
     def from_dict(cls, data: dict) -> RefitPlan:
@@ -204,6 +206,7 @@ class RefitPlan:
             timeout_s=data["timeout_s"],
             alignment=data["alignment"],
             direct_bytes=data["direct_bytes"],
+            checksum=data.get("checksum", False),
         )
         plan = cls(tuple(TensorSpec.from_json(s) for s in data["specs"]), config)
         if "digest" in data and data["digest"] != plan.digest:

@@ -50,6 +50,9 @@ def compare_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
     for name, tensor in got.items():
         expected = want[name]
         assert tensor.dtype == expected.dtype, f"{name}: {tensor.dtype} vs {expected.dtype}"
+        assert tensor.shape == expected.shape, (
+            f"{name}: vLLM's param has shape {list(tensor.shape)}, the expected value "
+            f"{list(expected.shape)} (a vocabulary padded on one side only?)")
         assert torch.equal(tensor, expected), f"{name} differs"
         compared += 1
     return compared

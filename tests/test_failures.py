@@ -68,13 +68,19 @@ def test_receiver_with_another_plan_fails_setup_everywhere() -> None:
         assert "rank 3" in msg and "layers.3.weight" in msg and "[32, 64]" in msg, msg
 
 
-def drift_rank(rank: int, world: int, port: int) -> dict:
+DRIFTS = {  # what layers.5.weight turns into at refit time (the plan says fp32 32 x 32)
+    "dtype": lambda t: t.bfloat16(),
+    "same-size-shape": lambda t: t.reshape(16, 64),  # the same bytes, laid out wrongly
+}
+
+
+def drift_rank(rank: int, world: int, port: int, drift: str) -> dict:
     config, group = join(rank, world, port)
     if group.is_trainer:
         source = DictWeightSource(tensors())
         sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
         drifted = tensors(1)
-        drifted["layers.5.weight"] = drifted["layers.5.weight"].bfloat16()  # plan says fp32
+        drifted["layers.5.weight"] = DRIFTS[drift](drifted["layers.5.weight"])
         source.tensors = drifted
         first = outcome(lambda: sender.refit(source, 1))
         source.tensors = tensors(2)  # fixed: the same group carries the next refit
@@ -91,12 +97,15 @@ def drift_rank(rank: int, world: int, port: int) -> dict:
     return {"first": first, "second": second, "seen": seen}
 
 
+@pytest.mark.parametrize("drift", DRIFTS)
 @pytest.mark.parametrize("native", ["1", "0"])  # the sender's native scan, or its Python path
-def test_drifted_dtype_fails_on_all_ranks_before_its_bucket(native: str, monkeypatch) -> None:
+def test_a_drifted_tensor_fails_on_all_ranks_before_its_bucket(native: str, drift: str,
+                                                               monkeypatch) -> None:
     monkeypatch.setenv("REFIT_NATIVE", native)  # the spawned ranks inherit it
-    res = expect_ok(run_ranks(drift_rank, 4))
+    res = expect_ok(run_ranks(drift_rank, 4, drift))
     kind, msg = res[0]["first"]
-    assert kind == "TensorMismatchError" and "'layers.5.weight'" in msg and "bfloat16" in msg
+    said = "bfloat16" if drift == "dtype" else "shape"
+    assert kind == "TensorMismatchError" and "'layers.5.weight'" in msg and said in msg, msg
     for rank in (1, 2, 3):
         kind, msg = res[rank]["first"]
         assert kind == "RefitAborted" and "layers.5.weight" in msg, (rank, kind, msg)
@@ -258,6 +267,104 @@ def test_a_dead_rank_makes_every_other_rank_raise_in_seconds_and_the_group_rebui
         if status == "ok":
             print(f"rank {rank} raised after {value['raised'][2]:.2f}s: {value['raised'][1]}")
     check_dead_peer(res, victim)
+
+
+class CorruptingReceiver(RefitReceiver):
+    """Damages bucket `bucket`'s received bytes before they are checked: `flip` the last byte,
+    or `swap` two bytes that differ (the same bytes, other positions)."""
+
+    damage: tuple[int, str] = (-1, "")
+
+    def _verify(self, bucket, header, target, stats):
+        index, how = self.damage
+        if bucket.index == index:
+            payload = target if bucket.direct else self.payload(bucket)
+            if how == "flip":
+                payload[-1] ^= 0xFF
+            else:
+                i, j = 0, next(k for k in range(1, payload.numel()) if payload[k] != payload[0])
+                payload[i], payload[j] = payload[j].clone(), payload[i].clone()
+        return super()._verify(bucket, header, target, stats)
+
+
+DAMAGE = {2: (1, "swap"), 3: (3, "flip")}  # receiver rank: (bucket, how)
+
+
+def corrupted_rank(rank: int, world: int, port: int) -> dict:
+    config, group = join(rank, world, port)
+    if group.is_trainer:
+        source = DictWeightSource(tensors())
+        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
+        source.tensors = tensors(2)
+        return {"first": outcome(lambda: sender.refit(source, 1)),
+                "second": outcome(lambda: sender.refit(source, 2))}
+    receiver = CorruptingReceiver(group, RefitReceiver.setup(group).plan)
+    receiver.damage = DAMAGE[rank]
+    seen: list[str] = []
+    first = outcome(lambda: receiver.receive(lambda items: seen.extend(n for n, _ in items)))
+    receiver.damage = (-1, "")
+    stats, got = receive_all(receiver)
+    ok = stats.version == 2 and all(torch.equal(got[n], t) for n, t in tensors(2).items())
+    return {"first": first, "second": ("ok", "") if ok else ("wrong", ""), "seen": seen,
+            "damaged": [s.name for s in receiver.plan.bucket_specs(
+                receiver.plan.buckets[DAMAGE[rank][0]])]}
+
+
+def test_a_flipped_or_swapped_byte_fails_the_refit_everywhere_naming_bucket_and_receiver():
+    res = expect_ok(run_ranks(corrupted_rank, 4))
+    for rank, (bucket, _) in DAMAGE.items():
+        kind, msg = res[rank]["first"]
+        assert kind == "RefitError" and f"bucket {bucket}/" in msg and "corrupted" in msg, msg
+        assert f"refit rank {rank}/4" in msg and "CRC-32" in msg, msg
+        assert not set(res[rank]["damaged"]) & set(res[rank]["seen"]), "a damaged tensor loaded"
+    for rank in (0, 1):
+        kind, msg = res[rank]["first"]
+        assert kind == "RefitAborted" and "failed on [2, 3]" in msg and "corrupted" in msg, msg
+    assert all(r["second"] == ("ok", "") for r in res.values()), res  # the group carries on
+
+
+class StallingSource(DictWeightSource):
+    """Sleeps `stall_s` before its first tensor (a trainer stuck in a gather, say)."""
+
+    def __init__(self, tensors, stall_s: float) -> None:
+        super().__init__(tensors)
+        self.stall_s = stall_s
+
+    def iter_tensors(self, plan):
+        time.sleep(self.stall_s)
+        yield from super().iter_tensors(plan)
+
+
+PLAN_TIMEOUT_S, JOIN_TIMEOUT_S = 2.0, 30.0
+
+
+def stalled_sender_rank(rank: int, world: int, port: int) -> tuple[str, str, float]:
+    """The plan's timeout (2 s), not the group's join timeout (30 s), bounds the refit's waits."""
+    config = RefitConfig(bucket_bytes=8 << 10, timeout_s=PLAN_TIMEOUT_S)
+    group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world, device="cpu",
+                       num_trainers=TRAINERS, timeout_s=JOIN_TIMEOUT_S)
+    source = DictWeightSource(tensors())
+    if group.is_trainer:
+        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
+        run = lambda: sender.refit(StallingSource(source.tensors, 4.0) if rank == 0  # noqa: E731
+                                   else source, 1)
+    else:
+        receiver = RefitReceiver.setup(group)
+        run = lambda: receiver.receive(lambda items: None)  # noqa: E731
+    t0 = time.monotonic()
+    kind, msg = outcome(run)
+    return kind, msg, time.monotonic() - t0
+
+
+def test_the_plans_timeout_governs_every_wait_after_the_handshake() -> None:
+    res = expect_ok(run_ranks(stalled_sender_rank, 4))
+    expired = [r for r, (_, msg, _) in res.items() if "within the refit timeout (2s" in msg]
+    assert expired, res  # some rank's own wait expired, and says which wait and how long
+    for rank, (kind, msg, elapsed) in res.items():
+        assert kind == "RefitCommError" and f"refit rank {rank}/4" in msg, (rank, msg)
+        assert re.search(r"bucket \d+/5", msg), msg  # the wait that expired or was given up
+        bound = 4.0 + 1.0 if rank == 0 else PLAN_TIMEOUT_S + 1.0  # rank 0 was asleep
+        assert elapsed < bound, f"rank {rank} raised after {elapsed:.1f}s: {msg}"
 
 
 def test_error_types_are_refit_errors() -> None:

@@ -19,7 +19,7 @@ from tests.dtensor.models import make_model
 from tests.vllm.helpers import LLM_KWARGS, PROMPTS, KillingSource, wait_gone
 
 pytestmark = pytest.mark.slow
-TIMEOUT_S, REFIT_TIMEOUT_S = 60, 8
+TIMEOUT_S, REFIT_TIMEOUT_S, NOTICE_S = 60, 60, 5  # a death is noticed through the abort
 
 
 class FaultyTrainer(TrainerActor):
@@ -118,7 +118,7 @@ def test_a_trainer_dead_mid_refit_leaves_the_engine_refusing_then_new_trainers_r
         trainers.refit(rig[2], last + 1)
     elapsed = time.monotonic() - t0
     print(f"[ray] the driver raised {elapsed:.2f} s into the refit (timeout {REFIT_TIMEOUT_S}s)")
-    assert elapsed < REFIT_TIMEOUT_S + 10
+    assert elapsed < NOTICE_S
     refusal = rf"(?s)refusing to serve: refit v{last + 1} failed.*last complete v{last}\)"
     with pytest.raises(EngineError, match=refusal):
         engine.generate([PROMPTS[0]], 4)

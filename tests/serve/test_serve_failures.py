@@ -31,7 +31,7 @@ from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config
 from tests.vllm.helpers import KillingSource
 
 pytestmark = pytest.mark.slow
-TRAINERS, KILL_TIMEOUT_S, MARGIN_S = 2, 10.0, 5.0
+TRAINERS, KILL_TIMEOUT_S, NOTICE_S = 2, 60.0, 5.0  # noticed through the abort
 
 
 def bad_state(case: str, state: dict[str, torch.Tensor]) -> tuple[dict, str]:
@@ -185,7 +185,7 @@ def test_a_server_killed_mid_refit_fails_every_trainer_and_a_replacement_takes_o
         kind, msg = out["first"]
         assert kind in ("RefitCommError", "RefitAborted"), (rank, kind, msg)
         assert f"engine {server.url}" in msg, (rank, msg)  # names the engine behind the ranks
-        assert out["raised_after_s"] < KILL_TIMEOUT_S + MARGIN_S, (rank, out["raised_after_s"])
+        assert out["raised_after_s"] < NOTICE_S, (rank, out["raised_after_s"])
         print(f"[serve] trainer {rank} raised {out['raised_after_s']:.2f} s after the kill")
     assert outs[0]["version"] == "2"
     assert outs[0]["greedy"] == [(o.tokens, o.logprobs) for o in reference]

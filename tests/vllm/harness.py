@@ -45,17 +45,19 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -
 
 
 class _Drifted:
-    """A weight source whose rank-0 tensor `name` comes out fp32 where the plan says bf16."""
+    """A weight source whose rank-0 tensor `name` (default: the plan's first) comes out fp32
+    where the plan says bf16."""
 
-    def __init__(self, inner, name: str) -> None:
+    def __init__(self, inner, name: str | None = None) -> None:
         self.inner, self.name = inner, name
 
     def plan_specs(self):
         return self.inner.plan_specs()
 
     def iter_tensors(self, plan):
+        drifted = self.name or plan.specs[0].name
         for name, tensor in self.inner.iter_tensors(plan):
-            yield name, (tensor.float() if name == self.name and tensor is not None else tensor)
+            yield name, (tensor.float() if name == drifted and tensor is not None else tensor)
 
 
 def trainer_job(rank: int, world: int, port: int, case: Case, steps: list[int], mode: str,
@@ -86,17 +88,19 @@ def trainer_job(rank: int, world: int, port: int, case: Case, steps: list[int], 
         group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
                            num_trainers=case.trainers, timeout_s=timeout_s, device="cpu")
         try:
+            buffers = 1 if mode == "one_buffer" else 2  # 1: each bucket reuses the last's
             sender = RefitSender.setup(group, RefitPlan.build(specs, RefitConfig(
-                bucket_bytes=BUCKET_BYTES, timeout_s=timeout_s)))
+                bucket_bytes=BUCKET_BYTES, timeout_s=timeout_s, num_buffers=buffers)))
         except Exception as e:  # noqa: BLE001 - compared by the test
             return [(type(e).__name__, str(e))]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         out = []
         for step in steps:
             _train_step(model, opt, step)
-            drift = mode == "drift" and step == steps[0]
+            drift = mode in ("drift", "drift_first") and step == steps[0]
+            name = "model.norm.weight" if mode == "drift" else None  # else: in bucket 0
             try:
-                sender.refit(_Drifted(source, "model.norm.weight") if drift else source, step)
+                sender.refit(_Drifted(source, name) if drift else source, step)
                 out.append(("ok", step))
             except Exception as e:  # noqa: BLE001 - compared by the test
                 out.append((type(e).__name__, str(e)))

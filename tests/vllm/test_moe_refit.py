@@ -65,3 +65,24 @@ def test_a_bf16_router_bias_is_refused_at_join_and_the_engine_keeps_serving(arch
         assert "e_score_correction_bias" in value[0][1] and "keeps it as float32" in value[0][1]
     assert answers[0][0][0] == "join-error" and "e_score_correction_bias" in answers[0][0][1]
     assert greedy(engine) == before and engine.weight_version() == version
+
+
+def test_a_refit_aborted_before_any_load_leaves_the_engine_bit_for_bit_and_serving(
+        arch_engine, tmp_path) -> None:
+    """A drift in bucket 0: no worker loads a byte, so the fused experts (which vLLM's CPU
+    kernels re-lay out after a load) and every other param stay as they were, and the engine
+    is resumed serving its last version."""
+    case, engine = arch_engine
+    params, served, version = engine.read(), greedy(engine), engine.weight_version()
+    step = int(version) + 1
+    results, answers = refit_round([engine], case, "drift_first", [step], tmp_path)
+    assert results[0][0][0] == "TensorMismatchError", results
+    assert answers[0][-1][0] == "refit-error", answers
+    assert f"still serves v{version}" in answers[0][-1][1], answers
+    assert engine.failed is None and not engine.paused and engine.weight_version() == version
+    after = engine.read()
+    assert sorted(after) == sorted(params)
+    changed = [n for n in params if not torch.equal(after[n], params[n])]
+    assert changed == [], f"an aborted refit changed {changed}"
+    assert any("experts" in n for n in params), "the fused experts are among the params read"
+    assert greedy(engine) == served

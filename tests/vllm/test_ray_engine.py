@@ -106,13 +106,15 @@ def test_a_serving_engine_actor_killed_mid_refit_fails_the_trainer_and_leaves_no
     pids = engine._call("pids")
     assert len(pids) >= 2  # the actor and vLLM's engine core at least
 
-    trainer = join_one_trainer([engine], state, timeout_s=10)
+    trainer = join_one_trainer([engine], state, timeout_s=60)  # noticed long before it
     slow = KillingSource(state, lambda: ray_cluster.kill(engine.actor), after=5)
     with pytest.raises(RefitError) as failure:
         trainer.fleet.refit(lambda: trainer.sender.refit(slow, 1), 1)
     elapsed = time.monotonic() - slow.killed_at
     print(f"[ray] the trainer raised {elapsed:.2f} s after the kill: {failure.value}")
-    assert elapsed < 10 + 5 and "engine doomed" in str(failure.value)
+    # vLLM's worker (a grandchild of the actor) exits a few seconds after the actor; the
+    # trainer notices at once when it does, whatever the (long) timeout.
+    assert elapsed < 10 and "engine doomed" in str(failure.value)
     assert wait_gone(pids) == [], "processes of the killed engine survived"
     trainer.group.destroy()
     replacement = RayEngine.start(config, serving=True, name="replacement")
