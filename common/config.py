@@ -54,7 +54,7 @@ class RefitConfig:
     timeout_s: float = 300.0
     alignment: int = 256
     direct_bytes: int = 64 << 20
-    checksum: bool = True
+    checksum: bool = False  # what it costs: bench/results/cpu_checksum_quick_models.json
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> RefitConfigError:

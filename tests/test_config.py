@@ -11,8 +11,11 @@ def test_env_overrides_and_explicit_overrides(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("REFIT_BUCKET_BYTES", str(1 << 20))
     monkeypatch.setenv("REFIT_NUM_BUFFERS", "3")
     monkeypatch.setenv("REFIT_TIMEOUT_S", "12.5")
+    monkeypatch.setenv("REFIT_CHECKSUM", "yes")
     c = RefitConfig.from_env()
-    assert (c.bucket_bytes, c.num_buffers, c.timeout_s) == (1 << 20, 3, 12.5)
+    assert (c.bucket_bytes, c.num_buffers, c.timeout_s, c.checksum) == (1 << 20, 3, 12.5, True)
+    monkeypatch.setenv("REFIT_CHECKSUM", "0")
+    assert RefitConfig.from_env().checksum is False
     assert RefitConfig.from_env(num_buffers=1).num_buffers == 1
 
 
@@ -25,6 +28,7 @@ def test_env_overrides_and_explicit_overrides(monkeypatch: pytest.MonkeyPatch) -
         ("REFIT_TIMEOUT_S", "-1", "timeout_s=-1.0: must be a positive"),
         ("REFIT_TIMEOUT_S", "nan", "timeout_s=nan: must be a positive"),
         ("REFIT_ALIGNMENT", "48", "alignment=48: must be a power of two"),
+        ("REFIT_CHECKSUM", "maybe", "REFIT_CHECKSUM='maybe' is not a valid boolean"),
     ],
 )
 def test_nonsense_values_name_the_setting(

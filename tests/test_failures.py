@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -292,6 +293,7 @@ DAMAGE = {2: (1, "swap"), 3: (3, "flip")}  # receiver rank: (bucket, how)
 
 def corrupted_rank(rank: int, world: int, port: int) -> dict:
     config, group = join(rank, world, port)
+    config = dataclasses.replace(config, checksum=True)
     if group.is_trainer:
         source = DictWeightSource(tensors())
         sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))

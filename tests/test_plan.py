@@ -96,7 +96,7 @@ def test_digest_changes_with_any_name_shape_dtype_order_source_or_bucket_size() 
 
 
 def test_json_round_trip_and_difference_messages() -> None:
-    config = RefitConfig(bucket_bytes=4096)
+    config = RefitConfig(bucket_bytes=4096, timeout_s=7.5, checksum=True)
     plan = RefitPlan.build(sample_specs(), config)
     back = RefitPlan.from_json(plan.to_json())
     assert back.digest == plan.digest and back.specs == plan.specs and back.config == config
