@@ -38,6 +38,7 @@ _NCCL_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
 }
 _POLL_S = 20e-6  # NCCL's own blocking wait sleeps 1 ms between polls: too coarse per bucket
+_GLOO_POLL_S = 5e-4  # the longest sleep between polls of a gloo work
 _BACKEND_GRACE_S = 30.0
 ABORT_POLL_S = 0.25  # how often a waiting rank looks for another rank's abort record
 _ABORT_KEY = "abort"
@@ -49,13 +50,16 @@ class _Abandoned(Exception):
     """Another rank's abort record (or the store's death) ended this rank's wait."""
 
 
-def _spin(work: dist.Work, seconds: float) -> bool:
-    """Poll an NCCL work for up to `seconds`; whether it completed."""
-    end = time.monotonic() + seconds
+def _spin(work: dist.Work, seconds: float, longest_sleep_s: float) -> bool:
+    """Poll `work` for up to `seconds`, sleeping from `_POLL_S` up to `longest_sleep_s`
+    between polls; whether it completed. (A gloo `wait(timeout)` cannot serve here: from
+    one torch version to the next, a timed-out wait leaves the work running or failed.)"""
+    end, nap = time.monotonic() + seconds, _POLL_S
     while not work.is_completed():
         if time.monotonic() >= end:
             return False
-        time.sleep(_POLL_S)
+        time.sleep(nap)
+        nap = min(nap * 2, longest_sleep_s)
     return True
 
 
@@ -214,19 +218,13 @@ class RefitGroup:
 
     def _wait(self, work: dist.Work, deadline: float, what: str) -> None:
         """Wait in slices of `ABORT_POLL_S`, reading the abort record between them."""
+        # NCCL kernels finish in microseconds; a gloo op on its thread in milliseconds.
+        longest_sleep_s = _POLL_S if self.backend == "nccl" else _GLOO_POLL_S
         while True:
             left = deadline - time.monotonic()
-            if self.backend == "nccl":
-                if _spin(work, min(ABORT_POLL_S, max(left, 0.0))):
-                    work.wait()  # raises the collective's own error, if any
-                    return
-            else:
-                try:
-                    work.wait(timedelta(seconds=min(ABORT_POLL_S, max(left, 1e-3))))
-                    return
-                except RuntimeError:
-                    if work.is_completed():  # the collective failed, not the slice
-                        raise
+            if _spin(work, min(ABORT_POLL_S, max(left, 0.0)), longest_sleep_s):
+                work.wait()  # raises the collective's own error, if any
+                return
             if record := self._read_abort():
                 raise _Abandoned(record)
             if time.monotonic() >= deadline:
