@@ -349,11 +349,7 @@ class RefitReceiver(_Endpoint):
                                               f"v{header.version}: {header.message}")
             if error is not None or (error := self._verify(bucket, header, target, stats)):
                 continue
-            if bucket.oversize:  # its own fresh tensor: typed view of the received bytes
-                spec = plan.specs[bucket.start]
-                tensors = [(spec.name, target.view(spec.dtype).view(spec.shape))]
-            else:
-                tensors = self.layouts[bucket.index].unpack()
+            tensors = self._unpack(bucket, target)
             t1 = time.perf_counter()
             stats.buckets_loaded += 1  # also when it fails: it may have loaded a part
             try:
@@ -366,6 +362,13 @@ class RefitReceiver(_Endpoint):
         if on_done is not None:
             error = self._run_on_done(on_done, stats, error)
         return self.finish(stats, error, t0)
+
+    def _unpack(self, bucket: Bucket, target: torch.Tensor | None) -> list:
+        """The bucket's (name, tensor) views; an oversize one: its own fresh tensor."""
+        if bucket.oversize:
+            spec = self.plan.specs[bucket.start]
+            return [(spec.name, target.view(spec.dtype).view(spec.shape))]
+        return self.layouts[bucket.index].unpack()
 
     def _verify(self, bucket: Bucket, header: Header, target: torch.Tensor | None,
                 stats: RefitStats) -> RefitError | None:

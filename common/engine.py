@@ -78,9 +78,9 @@ class LocalEngine(HostedEngine):
     """One vLLM engine in a child process (module docstring)."""
 
     def __init__(self, config: EngineConfig, name: str | None = None,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float | None = None) -> None:
         super().__init__(name or f"local:{os.path.basename(config.model.rstrip('/'))}",
-                         timeout_s)
+                         config.call_timeout_s if timeout_s is None else timeout_s)
         self.config = config
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()

@@ -21,5 +21,6 @@ class EngineConfig:
     threads: int = 1
     in_process_worker: bool = True
     disable_cpu_amx: bool = True
-    start_timeout_s: float = 300.0
+    start_timeout_s: float = 300.0  # the engine's build
+    call_timeout_s: float = 120.0  # every control call of its client (pause, version, ...)
     llm_kwargs: dict[str, Any] = field(default_factory=dict)

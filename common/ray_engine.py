@@ -29,13 +29,15 @@ class RayEngine(HostedEngine):
 
     @classmethod
     def start(cls, config: EngineConfig, *, serving: bool = False, name: str | None = None,
-              num_cpus: float = 1, timeout_s: float = 120.0, **options: Any) -> RayEngine:
+              num_cpus: float = 1, timeout_s: float | None = None,
+              **options: Any) -> RayEngine:
         """Start the actor and wait until its engine is built (`config.start_timeout_s`).
 
         serving=False: an offline `LLM` (`LLMHost`; one call at a time). serving=True: an
         `AsyncLLM` (`AsyncLLMHost`, an async actor), whose generate calls run concurrently
-        with pause / refit / resume, so requests in flight meet the pause mode. `options` go
-        to `.options()` (placement group, resources, ...).
+        with pause / refit / resume, so requests in flight meet the pause mode. `timeout_s`
+        bounds each call (default `config.call_timeout_s`); `options` go to `.options()`
+        (placement group, resources, ...).
         """
         if serving:
             from common.vllm_async_host import AsyncLLMHost as host_cls
@@ -45,7 +47,8 @@ class RayEngine(HostedEngine):
         name = name or f"ray:{config.model.rstrip('/').rsplit('/', 1)[-1]}"
         actor = ray.remote(num_cpus=num_cpus, max_restarts=0)(host_cls).options(
             **options).remote(config)
-        engine = cls(actor, name, timeout_s, serving)
+        engine = cls(actor, name, config.call_timeout_s if timeout_s is None else timeout_s,
+                     serving)
         engine._call("start" if serving else "num_workers", config.start_timeout_s)
         return engine
 

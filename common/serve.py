@@ -58,6 +58,7 @@ class ServeConfig:
     threads: int = 1
     disable_cpu_amx: bool = True
     start_timeout_s: float = 300.0
+    call_timeout_s: float = 60.0  # every control call of `client()` (pause, version, ...)
     log_path: str | None = None
 
     def argv(self, port: int) -> list[str]:
@@ -136,7 +137,8 @@ class VllmServer:
         return f"http://{self.config.host}:{self.port}"
 
     def client(self, **kwargs: object) -> HttpEngine:
-        return HttpEngine(self.url, **kwargs)
+        """An `HttpEngine` for this server (`timeout_s` default: `call_timeout_s`)."""
+        return HttpEngine(self.url, **{"timeout_s": self.config.call_timeout_s, **kwargs})
 
     def wait_ready(self) -> float:
         """Poll GET /health until 200; returns the seconds since the start. Raises

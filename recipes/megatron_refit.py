@@ -124,10 +124,12 @@ def check_step(engine: EngineClient, ckpt: str, step: int, moe: bool) -> list[li
     return tokens
 
 
-def final_checks(engine: EngineClient, kind: str, ckpt: str, mega: list[list[float]]) -> dict:
+def final_checks(engine: EngineClient, kind: str, ckpt: str, mega: list[list[float]],
+                 moe: bool) -> dict:
     """vLLM after the refits vs a fresh engine started on the expected weights (greedy tokens
     and logprobs exactly; params bit for bit where they are readable: local engines), vs
-    transformers, and transformers vs Megatron."""
+    transformers (dense models: MoE top-k routing in bf16 vs fp32 may flip near-ties, so
+    there the fresh engine is the exact check), and transformers vs Megatron."""
     from safetensors.torch import load_file
 
     from recipes.vllm_checks import compare_params, vllm_layout
@@ -147,7 +149,7 @@ def final_checks(engine: EngineClient, kind: str, ckpt: str, mega: list[list[flo
                 got, vllm_layout(load_file(f"{ckpt}/model.safetensors")))
     hf = hf_logprobs(ckpt, PROMPTS, tokens)
     vllm_diff, mega_diff = max_diff(hf, logprobs), max_diff(hf, mega)
-    assert vllm_diff <= VLLM_TOL, f"vLLM logprobs differ from transformers' by {vllm_diff}"
+    assert moe or vllm_diff <= VLLM_TOL, f"vLLM logprobs differ from transformers' by {vllm_diff}"
     assert mega_diff <= MEGATRON_TOL, f"transformers' logprobs differ from Megatron's: {mega_diff}"
     return result | {"tokens": tokens, "max_logprob_diff_vllm_hf": vllm_diff,
                      "max_logprob_diff_hf_megatron": mega_diff,
@@ -291,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         dist.broadcast_object_list(mega, src=trainers - 1)  # the last rank is on the last stage
         if rank == 0:
             t1 = time.perf_counter()
-            result = final_checks(engine, args.engine, str(workdir / f"v{steps}"), mega[0])
+            result = final_checks(engine, args.engine, str(workdir / f"v{steps}"), mega[0],
+                                  layout.moe)
             result |= {"layout": layout.label, "steps": steps, "tokens_before": before,
                        "engine": args.engine, **record}
             log(f"checks passed in {time.perf_counter() - t1:.1f}s: {json.dumps(result)}")

@@ -60,7 +60,8 @@ def test_an_engine_in_a_ray_actor_refits_like_a_fresh_engine(ray_cluster, tmp_pa
 
 def test_a_serving_engine_actor_keeps_a_request_in_flight_across_a_refit(ray_cluster, tmp_path):
     """AsyncLLM in an async actor: a long request runs while the engine is paused (keep),
-    refit and resumed; its tokens carry version 0, then 1."""
+    refit and resumed; its tokens carry version 0, then 1. Then one cut short by a refit in
+    mode abort is continued by the recipes' driver: versions 1, then 2, all its tokens."""
     from common.engine_config import EngineConfig
     from common.ray_engine import RayEngine
     from tests.serve.conftest import MAX_MODEL_LEN, save_qwen3
@@ -83,6 +84,16 @@ def test_a_serving_engine_actor_keeps_a_request_in_flight_across_a_refit(ray_clu
         (first, _, k), (second, k2, end) = out["weight_versions"]
         assert (first, second, k2, end) == ("0", "1", k, tokens) and 0 < k < tokens, out
         assert engine.weight_version() == "1"
+        # Mode abort cuts a request short; the Ray recipes' driver continues it afterwards.
+        from recipes.ray_loop import collect, generate_async
+
+        batch = [[2, 7, 1, 8]]
+        pending = generate_async([engine], batch, tokens)
+        engine.generate([[2, 7]], 4)  # returns while the long request is under way
+        trainer.refit(2, mode="abort")
+        (sample,) = collect(pending, batch, tokens, timeout_s=120)
+        assert sample["versions"] == ["1", "2"], sample
+        assert len(sample["tokens"]) == len(batch[0]) + tokens
         trainer.group.destroy()
     finally:
         engine.close()
