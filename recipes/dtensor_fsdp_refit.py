@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
 from common.broadcast import RefitSender  # noqa: E402
 from common.config import RefitConfig  # noqa: E402
 from common.engine_client import PAUSE_MODES, EngineFleet  # noqa: E402
-from common.group import RefitGroup  # noqa: E402
+from common.group import RefitGroup, free_port  # noqa: E402
 from common.plan import RefitPlan  # noqa: E402
 from dtensor_refit import DTensorWeightSource, DtypePolicy  # noqa: E402
 from recipes.engines import KINDS, greedy, open_engine, replayed_batches  # noqa: E402
@@ -114,7 +114,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="refit_dtensor_recipe_"))
     with contextlib.ExitStack() as stack:
         fleet = engine = join = None
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
+        host, port = os.environ["MASTER_ADDR"], free_port() if rank == 0 else None
         if rank == 0:
             save_bf16(model.state_dict(), str(workdir / "v0"))
             t0 = time.perf_counter()
@@ -124,8 +124,9 @@ def main() -> None:
                   f"{time.perf_counter() - t0:.1f}s; before training: {before}", flush=True)
             fleet = EngineFleet([engine])
             join = fleet.join_async(host, port, num_trainers=world, timeout_s=120)
-        size = [fleet.world_size(world) if fleet else None]
+        size = [fleet.world_size(world) if fleet else None, port]  # rank 0's free port
         dist.broadcast_object_list(size, src=0)
+        port = size[1]
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
