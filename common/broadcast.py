@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -38,49 +37,12 @@ from common.handshake import STATUS_BYTES, PlanCheck, agree_on_plan, decode_stat
 from common.packing import BucketLayout, byte_view
 from common.plan import Bucket, RefitPlan, align_up
 from common.source import WeightSource
+from common.stats import RefitStats
 from common.taker import BucketTaker
 from common.wire import HEADER_BYTES, STATUS_ABORT, STATUS_OK, Header
 
 log = logging.getLogger(__name__)
 BucketCallback = Callable[[list[tuple[str, torch.Tensor]]], None]
-
-
-@dataclass
-class RefitStats:
-    """What one refit moved and where its time went, on this rank."""
-
-    version: int
-    num_buckets: int
-    nbytes: int
-    seconds: float = 0.0
-    produce_s: float = 0.0  # iterating the weight source: gathers and conversions
-    pack_s: float = 0.0
-    wait_s: float = 0.0  # blocked on the refit group's collectives
-    load_s: float = 0.0  # receiver callback (e.g. model.load_weights)
-    buckets_loaded: int = 0  # buckets handed to the receiver callback
-    checksum_s: float = 0.0  # receiver: checking the received bytes against the sender's
-    role: str = "sender"
-    # Each receiving rank's own timings ({"seconds", "wait_s", "load_s"}), from the status
-    # exchange at the end of a refit that landed.
-    receivers: dict[int, dict[str, float]] = field(default_factory=dict)
-
-    @property
-    def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
-
-    def summary(self) -> str:
-        mine = (f"produce {self.produce_s * 1e3:.1f} ms, pack {self.pack_s * 1e3:.1f} ms"
-                if self.role == "sender" else f"load {self.load_s * 1e3:.1f} ms, checksum "
-                                               f"{self.checksum_s * 1e3:.1f} ms")
-        text = (f"refit v{self.version}: {self.nbytes / 1e6:.1f} MB in {self.num_buckets} "
-                f"buckets, {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s; {mine}, wait "
-                f"{self.wait_s * 1e3:.1f} ms)")
-        if self.receivers:
-            rank, slowest = max(self.receivers.items(), key=lambda kv: kv[1].get("seconds", 0))
-            text += (f"; slowest of {len(self.receivers)} receivers: rank {rank} "
-                     f"{slowest.get('seconds', 0) * 1e3:.1f} ms (load "
-                     f"{slowest.get('load_s', 0) * 1e3:.1f} ms)")
-        return text
 
 
 class _Endpoint:
@@ -223,37 +185,9 @@ class RefitSender(_Endpoint):
                 stats.produce_s += time.perf_counter() - t1
             if dead is not None:
                 continue
-            is_src = group.rank == bucket.source_rank
-            what = f"refit v{version} bucket {bucket.index}/{len(plan.buckets)}"
             t1 = time.perf_counter()
-            payload = None
-            if is_src and error is None:
-                try:  # a failing pack (device, memory) becomes an ABORT like any other error
-                    if bucket.direct:
-                        payload = byte_view(tensors[0].contiguous())
-                    else:
-                        self.layouts[bucket.index].pack(tensors, ptrs)
-                except Exception as e:  # noqa: BLE001 - reported to every rank
-                    error = RefitError(f"{group.who}: packing {what} failed: {e}")
-            # The header leads the bucket's own buffer, or has a buffer of its own (direct).
-            wire = self.headers[slot] if bucket.direct else self.bucket_buffer(bucket)
-            if is_src and error is not None:
-                wire[:HEADER_BYTES].copy_(self.header(bucket, version, error).encode())
-            elif is_src and bucket.direct:
-                wire = table[bucket.index]
-            elif is_src:
-                wire[:HEADER_BYTES].copy_(table[bucket.index], non_blocking=True)
-            if is_src and error is None and self.checksums:
-                checksum.stamp(wire, payload if bucket.direct else self.payload(bucket))
-            src = bucket.source_rank
-            if bucket.direct:
-                if payload is None:  # not the source, or aborting: bytes to receive / discard
-                    payload = self.direct_target(bucket)
-                pending[slot] = [(group.broadcast(wire, src), what + " header"),
-                                 (group.broadcast(payload, src), what)]
-                held[slot] = payload  # alive until its broadcast is waited
-            else:
-                pending[slot] = [(group.broadcast(wire, src), what)]
+            pending[slot], held[slot], error = self._send(bucket, version, tensors, ptrs, error,
+                                                          table)
             stats.pack_s += time.perf_counter() - t1
             del tensors
         for s in range(self.num_buffers):
@@ -264,6 +198,39 @@ class RefitSender(_Endpoint):
             error = RefitError(f"{group.who}: weight source yields more tensors than the plan's "
                                f"{len(plan.specs)}")
         return self.finish(stats, error, t0)
+
+    def _send(self, bucket: Bucket, version: int, tensors: list, ptrs, error,
+              table: torch.Tensor) -> tuple[list, torch.Tensor | None, BaseException | None]:
+        """Pack (on its source) and start one bucket's broadcasts; returns the works, the
+        tensor they hold (alive until waited) and the refit's error so far."""
+        group, slot = self.group, bucket.index % self.num_buffers
+        is_src, src = group.rank == bucket.source_rank, bucket.source_rank
+        what = f"refit v{version} bucket {bucket.index}/{len(self.plan.buckets)}"
+        payload = None
+        if is_src and error is None:
+            try:  # a failing pack (device, memory) becomes an ABORT like any other error
+                if bucket.direct:
+                    payload = byte_view(tensors[0].contiguous())
+                else:
+                    self.layouts[bucket.index].pack(tensors, ptrs)
+            except Exception as e:  # noqa: BLE001 - reported to every rank
+                error = RefitError(f"{group.who}: packing {what} failed: {e}")
+        # The header leads the bucket's own buffer, or has a buffer of its own (direct).
+        wire = self.headers[slot] if bucket.direct else self.bucket_buffer(bucket)
+        if is_src and error is not None:
+            wire[:HEADER_BYTES].copy_(self.header(bucket, version, error).encode())
+        elif is_src and bucket.direct:
+            wire = table[bucket.index]
+        elif is_src:
+            wire[:HEADER_BYTES].copy_(table[bucket.index], non_blocking=True)
+        if is_src and error is None and self.checksums:
+            checksum.stamp(wire, payload if bucket.direct else self.payload(bucket))
+        if not bucket.direct:
+            return [(group.broadcast(wire, src), what)], None, error
+        if payload is None:  # not the source, or aborting: bytes to receive / discard
+            payload = self.direct_target(bucket)
+        return [(group.broadcast(wire, src), what + " header"),
+                (group.broadcast(payload, src), what)], payload, error
 
     def _settle(self, works: list, stats: RefitStats) -> RefitCommError | None:
         """Wait for `works`; a failure is returned (the group is dead), not raised."""

@@ -1,0 +1,43 @@
+"""What one refit moved and where its time went, per rank (`RefitSender` / `RefitReceiver`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RefitStats:
+    """What one refit moved and where its time went, on this rank."""
+
+    version: int
+    num_buckets: int
+    nbytes: int
+    seconds: float = 0.0
+    produce_s: float = 0.0  # iterating the weight source: gathers and conversions
+    pack_s: float = 0.0
+    wait_s: float = 0.0  # blocked on the refit group's collectives
+    load_s: float = 0.0  # receiver callback (e.g. model.load_weights)
+    buckets_loaded: int = 0  # buckets handed to the receiver callback
+    checksum_s: float = 0.0  # receiver: checking the received bytes against the sender's
+    role: str = "sender"
+    # Each receiving rank's own timings ({"seconds", "wait_s", "load_s"}), from the status
+    # exchange at the end of a refit that landed.
+    receivers: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
+
+    def summary(self) -> str:
+        mine = (f"produce {self.produce_s * 1e3:.1f} ms, pack {self.pack_s * 1e3:.1f} ms"
+                if self.role == "sender" else f"load {self.load_s * 1e3:.1f} ms, checksum "
+                                               f"{self.checksum_s * 1e3:.1f} ms")
+        text = (f"refit v{self.version}: {self.nbytes / 1e6:.1f} MB in {self.num_buckets} "
+                f"buckets, {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s; {mine}, wait "
+                f"{self.wait_s * 1e3:.1f} ms)")
+        if self.receivers:
+            rank, slowest = max(self.receivers.items(), key=lambda kv: kv[1].get("seconds", 0))
+            text += (f"; slowest of {len(self.receivers)} receivers: rank {rank} "
+                     f"{slowest.get('seconds', 0) * 1e3:.1f} ms (load "
+                     f"{slowest.get('load_s', 0) * 1e3:.1f} ms)")
+        return text
