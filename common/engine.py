@@ -69,6 +69,10 @@ class HostedEngine(EngineClient):
         """Copies of the engine's readable params by vLLM name (tests compare them)."""
         return self._call("read", names=names)
 
+    def apply_reports(self) -> list[dict]:
+        """Per worker: how it applies refits (`common.vllm_backend`'s apply report)."""
+        return self._call("apply_reports")
+
     def backend_origin(self) -> list[dict[str, str]]:
         """Per worker: the weight-transfer backend it runs and where its `common` lives."""
         return self._call("backend_origin")

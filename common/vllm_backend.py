@@ -20,7 +20,9 @@ Only vLLM processes import this module (it imports vllm).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -37,10 +39,13 @@ from vllm.model_executor.model_loader.reload.layerwise import (
     initialize_layerwise_reload,
 )
 
+from common import native
 from common.broadcast import RefitReceiver
 from common.checkpoint import checkpoint_tensors
 from common.group import RefitGroup
+from common.load_map import CopyRecorder
 from common.plan import RefitPlan, dtype_name
+from common.vllm_apply import DirectLoad, learn
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +83,8 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         self.in_update = False
         self.last_version: int | None = None  # last refit that landed on this worker
         self.landed = False  # a refit landed since start_weight_update
+        self.direct: DirectLoad | None = None  # the learned map (REFIT_APPLY=direct)
+        self.apply_report: dict = {}
 
     @property
     def refit_rank_within_engine(self) -> int:
@@ -99,6 +106,9 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             group.destroy()
             raise
         plan = self.receiver.plan
+        self.direct, self.apply_report = None, {"path": _apply_mode()}
+        self._index = {spec.name: i for i, spec in enumerate(plan.specs)}
+        self._bucket_of = {plan.specs[b.start].name: b.index for b in plan.buckets if b.stop > b.start}
         log.info("%s: joined with plan %s (%d tensors, %d buckets)", group.who,
                  plan.digest[:12], len(plan.specs), len(plan.buckets))
 
@@ -157,23 +167,38 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             raise ValueError(f"refit v{version} is not newer than v{self.last_version}, the "
                              f"version this engine already holds")
         receiver, model, loaded = self.receiver, self.model, set()
+        direct, recorder = self._pick_path()
+        watch = recorder if recorder is not None else contextlib.nullcontext()
         t0 = time.perf_counter()
-        initialize_layerwise_reload(model)
+        if direct is not None:
+            direct.begin()
+        else:
+            initialize_layerwise_reload(model)
         finalized = False
+
+        def on_bucket(items: list[tuple[str, torch.Tensor]]) -> None:
+            if direct is not None:
+                loaded.update(direct.load(self._bucket_of[items[0][0]], items, self._load))
+            else:
+                loaded.update(self._load(items, recorder))
 
         def finalize() -> None:  # before the status exchange: its failure reaches every rank
             nonlocal finalized
             finalized = True
-            finalize_layerwise_reload(model, self.model_config)
+            with watch:
+                finalize_layerwise_reload(model, self.model_config)
             _redo_cpu_moe_prepack(model, loaded)
             if missing := sorted(_loadable(model) - loaded):
                 raise RuntimeError(f"no value arrived for {len(missing)} param(s), e.g. "
                                    f"{missing[0]!r}")
+            if recorder is not None:
+                self._learn(recorder)
 
         try:
-            stats = receiver.receive(lambda items: loaded.update(self._load(items)),
-                                     on_done=finalize, version=version)
+            stats = receiver.receive(on_bucket, on_done=finalize, version=version)
         finally:
+            if recorder is not None:
+                recorder.close()
             if not finalized:  # the group failed mid-refit: close the reload session anyway
                 try:
                     finalize_layerwise_reload(model, self.model_config)
@@ -181,19 +206,63 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                 except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
                     log.exception("closing the reload session of failed refit v%d", version)
         self.last_version, self.landed = version, True
-        log.info("%s: refit v%d landed in %.1f ms (wait %.1f ms, load %.1f ms)",
-                 receiver.group.who, version, (time.perf_counter() - t0) * 1e3,
+        path = "direct" if direct is not None else "load_weights"
+        log.info("%s: refit v%d landed in %.1f ms via %s (wait %.1f ms, load %.1f ms)",
+                 receiver.group.who, version, (time.perf_counter() - t0) * 1e3, path,
                  stats.wait_s * 1e3, stats.load_s * 1e3)
 
-    def _load(self, items: list[tuple[str, torch.Tensor]]) -> set[str]:
-        """One batched load; then copy out any view vLLM still holds (a layer split across
-        buckets waits for its other parts), since the receive buffer is about to be reused."""
-        names = self.model.load_weights(items)
+    def _pick_path(self) -> tuple[DirectLoad | None, CopyRecorder | None]:
+        """The learned map to apply this refit with, or a recorder to learn it from this
+        refit's `load_weights` (neither: REFIT_APPLY=load_weights, or no native memcpy)."""
+        if self.apply_report["path"] != "direct":
+            return None, None
+        if self.direct is not None:
+            why = self.direct.stale()
+            if why is None:
+                return self.direct, None
+            log.warning("%s: relearning the load map: %s", self.receiver.group.who, why)
+            self.direct = None
+        if native.load() is None:
+            log.warning("%s: no native memcpy here: every refit uses load_weights",
+                        self.receiver.group.who)
+            self.apply_report["path"] = "load_weights"
+            return None, None
+        return None, CopyRecorder({m: p for p, m in self.model.named_modules()})
+
+    def _learn(self, recorder: CopyRecorder) -> None:
+        """Build the map from the refit `recorder` watched; a failure only keeps the
+        `load_weights` path (logged)."""
+        t0, who = time.perf_counter(), self.receiver.group.who
+        try:
+            self.direct = learn(self.model, self.receiver.plan, recorder)
+        except Exception:  # noqa: BLE001 - the refit itself landed
+            log.exception("%s: learning the load map failed; staying on load_weights", who)
+            return
+        r = self.direct.report
+        self.apply_report.update(r, learn_s=time.perf_counter() - t0)
+        log.info("%s: load map learned: %d tensors (%.1f MB) copied directly, %d (%.1f MB) "
+                 "through load_weights%s", who, r["direct_tensors"], r["direct_bytes"] / 1e6,
+                 r["fallback_tensors"], r["fallback_bytes"] / 1e6,
+                 f", because: {r['fallback_reasons']}" if r["fallback_tensors"] else "")
+
+    def _load(self, items: list[tuple[str, torch.Tensor]],
+              recorder: CopyRecorder | None = None) -> set[str]:
+        """One batched load (watched by `recorder` when learning); then copy out any view
+        vLLM still holds (a layer split across buckets waits for its other parts), since the
+        receive buffer is about to be reused."""
+        if recorder is None:
+            names = self.model.load_weights(items)
+        else:
+            recorder.add_sources([(self._index[n], t) for n, t in items])
+            with recorder:
+                names = self.model.load_weights(items)
         for info in list(LAYERWISE_INFO.values()):
             for _, bound in info.loaded_weights:
                 for key, value in bound.arguments.items():
                     if isinstance(value, torch.Tensor) and self.receiver.owns(value):
-                        bound.arguments[key] = value.clone()
+                        bound.arguments[key] = copy = value.clone()
+                        if recorder is not None:
+                            recorder.add_copy(value, copy)
         return names
 
     def finish_weight_update(self) -> None:
@@ -207,6 +276,15 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         if self.receiver is not None:
             self.receiver.group.destroy()
         self.receiver = None
+
+
+def _apply_mode() -> str:
+    """REFIT_APPLY: "direct" (default: learn the load map on the first refit, then copy) or
+    "load_weights" (every refit through vLLM's loaders)."""
+    mode = os.environ.get("REFIT_APPLY", "direct")
+    if mode not in ("direct", "load_weights"):
+        raise ValueError(f"REFIT_APPLY={mode!r}: use 'direct' or 'load_weights'")
+    return mode
 
 
 def _loadable(model: torch.nn.Module) -> set[str]:

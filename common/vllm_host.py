@@ -25,6 +25,7 @@ def configure_process(config: EngineConfig, in_process: bool) -> None:
     worker run in this process, threads, the AMX workaround."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ["OMP_NUM_THREADS"] = str(config.threads)
+    os.environ["REFIT_APPLY"] = config.apply
     torch.set_num_threads(config.threads)
     if config.disable_cpu_amx:
         os.environ["REFIT_DISABLE_CPU_AMX"] = "1"  # applied by refit_vllm_plugin
@@ -44,6 +45,11 @@ def _backend_origin(worker: Any) -> dict[str, str]:
     engine = worker.weight_transfer_engine
     return {"backend": f"{type(engine).__module__}.{type(engine).__name__}",
             "common": os.path.dirname(os.path.abspath(common.__file__))}
+
+
+def _apply_report(worker: Any) -> dict:
+    """Runs in the worker: its refit backend's apply report."""
+    return dict(worker.weight_transfer_engine.apply_report)
 
 
 class LLMHost:
@@ -107,6 +113,10 @@ class LLMHost:
     def backend_origin(self) -> list[dict[str, str]]:
         """Per worker: the backend class and the `common` package it came from."""
         return self.llm.collective_rpc(_backend_origin)
+
+    def apply_reports(self) -> list[dict]:
+        """Per worker: how it applies refits (path, tensors and bytes per path, why)."""
+        return self.llm.collective_rpc(_apply_report)
 
     def read(self, names: list[str] | None) -> dict[str, torch.Tensor]:
         """Worker 0's params (in this process: the worker lives here)."""

@@ -1,0 +1,269 @@
+"""Direct apply: a refit's bytes copied where vLLM's loaders would put them, one memcpy loop.
+
+The first refit of a worker loads through `load_weights` under a `CopyRecorder`; `DirectLoad`
+then keeps, per bucket, the byte runs into each layer's model-format tensors. A layer that
+serves its tensors as loaded (norms) gets its runs straight into the serving tensors; a layer
+with post-load processing (CPU prepacked linears and embeddings, fused-MoE experts) gets them
+into fresh model-format tensors, then vLLM's own per-layer reload step processes it once.
+Tensors the map cannot express keep `load_weights`. Only vLLM processes import this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from vllm.model_executor.layers.attention import is_deferred_attention_layer
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.model_loader.reload.layerwise import (
+    LAYERWISE_INFO,
+    _layerwise_process,
+    _place_kernel_tensors,
+    get_layerwise_info,
+    initialize_layerwise_reload,
+)
+from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, materialize_layer
+from vllm.model_executor.model_loader.reload.utils import get_layer_tensors, get_tensor_load_numel
+
+from common import native
+from common.load_map import CopyRecorder, Dest, Fill, byte_runs, tiles_exactly
+from common.plan import RefitPlan
+
+log = logging.getLogger(__name__)
+COPY, PROCESS = "copy", "process"  # straight into the serving tensors / through processing
+Items = list[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class BucketRuns:
+    """One bucket's share: byte runs from its tensors into destinations, and the layers."""
+
+    src: np.ndarray  # byte offsets from the bucket's first tensor
+    dest: np.ndarray  # index into `DirectLoad.dests`
+    dst: np.ndarray  # byte offsets from the destination's first byte
+    nbytes: np.ndarray
+    fallback: list[int] = field(default_factory=list)  # positions left to `load_weights`
+    loaded: set[str] = field(default_factory=set)  # param names it fills
+    first_touch: list[str] = field(default_factory=list)  # processed layers materialised here
+    finishing: list[str] = field(default_factory=list)  # processed layers complete here
+
+
+def model_format(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The layer's loadable model-format tensors (meta) as vLLM recorded them at startup."""
+    params, buffers = get_layerwise_info(layer).restore_metadata
+    return {n: t for n, t in {**params, **buffers}.items() if n not in SKIP_LOAD_TENSORS}
+
+
+def layer_kind(layer: torch.nn.Module) -> str | None:
+    """COPY, PROCESS, or None: the layer keeps `load_weights` (attention layers, processed
+    at the end of the reload)."""
+    if is_deferred_attention_layer(layer):
+        return None
+    if isinstance(getattr(layer, "quant_method", None), QuantizeMethodBase):
+        return PROCESS
+    live = get_layer_tensors(layer)
+    for name, meta in model_format(layer).items():
+        t = live.get(name)
+        if t is None or (t.shape, t.stride(), t.dtype) != (meta.shape, meta.stride(), meta.dtype):
+            return PROCESS
+    return COPY
+
+
+class DirectLoad:
+    """One worker's learned map (`learn`) and its use on each later refit (`begin`, `load`)."""
+
+    def __init__(self, model: torch.nn.Module, dests: list[Dest], kinds: dict[str, str],
+                 runs: dict[int, BucketRuns], report: dict) -> None:
+        self.model, self.dests, self.kinds, self.runs, self.report = model, dests, kinds, runs, report
+        self.modules = dict(model.named_modules())
+        self.shapes = self._live_shapes()
+        self.bases = np.zeros(len(dests), dtype=np.int64)
+        self.dest_index: dict[str, list[int]] = defaultdict(list)
+        for i, dest in enumerate(dests):
+            self.dest_index[dest.layer].append(i)
+        self._native = native.load()
+
+    def _live_shapes(self) -> dict[Dest, tuple]:
+        live = {}
+        for dest in self.dests:
+            if self.kinds[dest.layer] == COPY:
+                t = get_layer_tensors(self.modules[dest.layer])[dest.name]
+                live[dest] = (t.shape, t.stride(), t.dtype)
+        return live
+
+    def stale(self) -> str | None:
+        """Why the map no longer fits the serving tensors (then a refit relearns it)."""
+        for dest, shape in self.shapes.items():
+            t = get_layer_tensors(self.modules[dest.layer]).get(dest.name)
+            if t is None or (t.shape, t.stride(), t.dtype) != shape:
+                return f"{dest.param_name} changed shape or dtype since the map was learned"
+        return None
+
+    def begin(self) -> None:
+        """Open vLLM's reload for every layer but the copy ones, which keep serving tensors
+        the runs write into (resolved by name now: a refit may have replaced them)."""
+        initialize_layerwise_reload(self.model)
+        for path, kind in self.kinds.items():
+            if kind == COPY:
+                layer = self.modules[path]
+                _place_kernel_tensors(layer, LAYERWISE_INFO[layer])
+                LAYERWISE_INFO[layer].reset()
+        for i, dest in enumerate(self.dests):
+            if self.kinds[dest.layer] == COPY:
+                self.bases[i] = get_layer_tensors(self.modules[dest.layer])[dest.name].data_ptr()
+
+    def load(self, index: int, items: Items, fallback: Callable[[Items], set[str]]) -> set[str]:
+        """Apply bucket `index`; its other tensors go to `fallback` (`load_weights`)."""
+        runs = self.runs[index]
+        for path in runs.first_touch:
+            layer = self.modules[path]
+            materialize_layer(layer, LAYERWISE_INFO[layer])
+            live = get_layer_tensors(layer)
+            for i in self.dest_index[path]:
+                self.bases[i] = live[self.dests[i].name].data_ptr()
+        if len(runs.nbytes):
+            src = items[0][1].data_ptr() + runs.src
+            dst = self.bases[runs.dest] + runs.dst
+            self._native.copy_bytes(torch.from_numpy(src), torch.from_numpy(dst),
+                                    torch.from_numpy(runs.nbytes))
+        for path in runs.finishing:
+            layer = self.modules[path]
+            _layerwise_process(layer, LAYERWISE_INFO[layer])
+        loaded = set(runs.loaded)
+        if runs.fallback:
+            loaded |= fallback([items[i] for i in runs.fallback])
+        return loaded
+
+
+
+def learn(model: torch.nn.Module, plan: RefitPlan, recorder: CopyRecorder) -> DirectLoad:
+    """The map from one recorded `load_weights` refit (see the module docstring)."""
+    modules = dict(model.named_modules())
+    layers = {p: m for p, m in modules.items() if model_format(m)}
+    bad_tensors, ran = _runs_of_fills(recorder)
+    bad_layers = {d.layer: f"{d.name} {why}" for d, why in recorder.bad_dests.items()}
+    fed: dict[str, set[int]] = defaultdict(set)
+    for fill in recorder.fills:
+        fed[fill.dest.layer].add(fill.index)
+    kinds = {}
+    for path in fed:
+        kinds[path] = layer_kind(layers[path])
+        if kinds[path] is None:
+            bad_layers.setdefault(path, "is processed at the end of the reload")
+        why = _untiled(path, layers[path], ran)
+        if why:
+            bad_layers.setdefault(path, why)
+    _spread(plan, bad_tensors, bad_layers, fed)
+    for path in layers.keys() - fed.keys():  # loads nothing: its serving tensors stay
+        if layer_kind(layers[path]) is not None:
+            kinds[path] = COPY
+    kinds = {p: k for p, k in kinds.items() if p not in bad_layers}
+    dests = sorted({f.dest for f in recorder.fills if f.dest.layer in kinds},
+                   key=lambda d: (d.layer, d.name))
+    runs = _bucket_runs(plan, bad_tensors, ran, {d: i for i, d in enumerate(dests)}, kinds,
+                        {p: set(get_layerwise_info(m).restore_metadata[0]) for p, m in layers.items()})
+    report = _report(plan, bad_tensors, ran)
+    return DirectLoad(model, dests, kinds, runs, report)
+
+
+RunList = list[tuple[Fill, tuple[np.ndarray, np.ndarray, int]]]
+
+
+def _runs_of_fills(recorder: CopyRecorder) -> tuple[dict[int, str], dict[int, RunList]]:
+    """Byte runs of every recorded fill, by tensor; the tensors no memcpy can load, and why."""
+    bad = dict(recorder.bad_tensors)
+    ran: dict[int, RunList] = defaultdict(list)
+    for fill in recorder.fills:
+        runs = byte_runs(fill)
+        if runs is None:
+            bad.setdefault(fill.index, f"copied element by element into {fill.dest.param_name}")
+        else:
+            ran[fill.index].append((fill, runs))
+    return bad, ran
+
+
+def _untiled(path: str, layer: torch.nn.Module, ran: dict[int, RunList]) -> str | None:
+    """Why the recorded runs do not fill each of the layer's loadable tensors exactly once."""
+    by_name: dict[str, list] = defaultdict(list)
+    for runs in ran.values():
+        for fill, (_, dst, n) in runs:
+            if fill.dest.layer == path:
+                by_name[fill.dest.name].append((dst, np.full(len(dst), n, dtype=np.int64)))
+    for name, meta in model_format(layer).items():
+        loadable = get_tensor_load_numel(meta) * meta.element_size()
+        parts = by_name.get(name)
+        if not parts:
+            if loadable:
+                return f"{name} was not loaded by plain copies"
+            continue
+        dst, n = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        if not tiles_exactly(dst, n, loadable):
+            return f"{name}: the copies do not cover its {loadable} bytes exactly once"
+    return None
+
+
+def _spread(plan: RefitPlan, bad_tensors: dict[int, str], bad_layers: dict[str, str],
+            fed: dict[str, set[int]]) -> None:
+    """A layer loads wholly one way: a bad tensor makes its layers bad, and back."""
+    layers_of: dict[int, set[str]] = defaultdict(set)
+    for path, tensors in fed.items():
+        for t in tensors:
+            layers_of[t].add(path)
+    changed = True
+    while changed:
+        changed = False
+        for t, why in list(bad_tensors.items()):
+            for path in layers_of[t] - bad_layers.keys():
+                bad_layers[path] = f"also takes {plan.specs[t].name!r} ({why})"
+                changed = True
+        for path, why in list(bad_layers.items()):
+            for t in fed.get(path, set()) - bad_tensors.keys():
+                bad_tensors[t] = f"{path} {why}"
+                changed = True
+
+
+def _bucket_runs(plan: RefitPlan, bad_tensors: dict[int, str], ran: dict[int, RunList],
+                 dest_ids: dict[Dest, int], kinds: dict[str, str],
+                 params_of: dict[str, set[str]]) -> dict[int, BucketRuns]:
+    """Each bucket's runs (offsets from its first tensor), fallback positions and layers."""
+    out, seen, last = {}, set(), {}
+    for bucket in plan.buckets:
+        parts, br = [], BucketRuns(*(np.zeros(0, dtype=np.int64),) * 4)
+        for pos, t in enumerate(bucket.spec_indices):
+            rel = bucket.offsets[pos] - bucket.offsets[0]
+            if t in bad_tensors or rel % plan.specs[t].dtype.itemsize:
+                br.fallback.append(pos)
+                continue
+            for fill, (src, dst, n) in ran.get(t, []):
+                parts.append((rel + src, np.full(len(src), dest_ids[fill.dest], dtype=np.int64),
+                              dst, np.full(len(src), n, dtype=np.int64)))
+                layer = fill.dest.layer
+                if fill.dest.name in params_of[layer]:
+                    br.loaded.add(fill.dest.param_name)
+                if kinds[layer] == PROCESS:
+                    if layer not in seen:
+                        seen.add(layer)
+                        br.first_touch.append(layer)
+                    last[layer] = bucket.index
+        if parts:
+            br.src, br.dest, br.dst, br.nbytes = (np.concatenate(c) for c in zip(*parts))
+        out[bucket.index] = br
+    for layer, index in last.items():
+        out[index].finishing.append(layer)
+    return out
+
+
+def _report(plan: RefitPlan, bad_tensors: dict[int, str], ran: dict[int, RunList]) -> dict:
+    """Tensors and bytes per path, and the commonest reasons for the fallback."""
+    direct = [i for i in range(len(plan.specs)) if i not in bad_tensors and ran.get(i)]
+    fallback = list(bad_tensors)
+    reasons = Counter(why.split(" (")[0] for why in bad_tensors.values())
+    nbytes = lambda idx: sum(plan.specs[i].nbytes for i in idx)  # noqa: E731
+    return {"direct_tensors": len(direct), "direct_bytes": nbytes(direct),
+            "fallback_tensors": len(fallback), "fallback_bytes": nbytes(fallback),
+            "unloaded_tensors": len(plan.specs) - len(direct) - len(fallback),
+            "total_bytes": plan.total_bytes, "fallback_reasons": dict(reasons.most_common(5))}
