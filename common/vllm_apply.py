@@ -79,6 +79,7 @@ class DirectLoad:
     def __init__(self, model: torch.nn.Module, dests: list[Dest], kinds: dict[str, str],
                  runs: dict[int, BucketRuns], report: dict) -> None:
         self.model, self.dests, self.kinds, self.runs, self.report = model, dests, kinds, runs, report
+        self.plan_digest = report["plan_digest"]
         self.modules = dict(model.named_modules())
         self.shapes = self._live_shapes()
         self.bases = np.zeros(len(dests), dtype=np.int64)
@@ -263,7 +264,7 @@ def _report(plan: RefitPlan, bad_tensors: dict[int, str], ran: dict[int, RunList
     fallback = list(bad_tensors)
     reasons = Counter(why.split(" (")[0] for why in bad_tensors.values())
     nbytes = lambda idx: sum(plan.specs[i].nbytes for i in idx)  # noqa: E731
-    return {"direct_tensors": len(direct), "direct_bytes": nbytes(direct),
+    return {"plan_digest": plan.digest, "direct_tensors": len(direct), "direct_bytes": nbytes(direct),
             "fallback_tensors": len(fallback), "fallback_bytes": nbytes(fallback),
             "unloaded_tensors": len(plan.specs) - len(direct) - len(fallback),
             "total_bytes": plan.total_bytes, "fallback_reasons": dict(reasons.most_common(5))}

@@ -106,7 +106,10 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             group.destroy()
             raise
         plan = self.receiver.plan
-        self.direct, self.apply_report = None, {"path": _apply_mode()}
+        if self.direct is not None and self.direct.plan_digest != plan.digest:
+            self.direct = None  # learned for another plan: the next refit learns again
+        if self.direct is None:
+            self.apply_report = {"path": _apply_mode()}
         self._index = {spec.name: i for i, spec in enumerate(plan.specs)}
         self._bucket_of = {plan.specs[b.start].name: b.index for b in plan.buckets if b.stop > b.start}
         log.info("%s: joined with plan %s (%d tensors, %d buckets)", group.who,

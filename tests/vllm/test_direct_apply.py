@@ -1,0 +1,107 @@
+"""Direct apply against vLLM's own loaders, on one refit group: two engines of one model, one
+applying refits directly (the learned load map), one through `load_weights` every refit.
+
+Both receive the same bytes; after every refit their readable params must be equal bit for bit
+(prepacked fused experts and MLA's derived weights included) and equal to the trainer's
+tensors, and their greedy tokens and logprobs equal (this also covers the linear weights vLLM's
+CPU kernels keep only inside oneDNN, which no param exposes). Small buckets make layers
+straddle buckets. A direct refit that fails midway leaves the engine refusing to serve until
+a complete refit lands.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.engine import LocalEngine
+from common.engine_client import EngineError
+from common.source import DictWeightSource
+from recipes.vllm_checks import compare_params, vllm_layout
+from tests.dtensor.shard import Case
+from tests.vllm.harness import initial_checkpoint
+from tests.vllm.helpers import PROMPTS, engine_config, greedy, join_one_trainer
+
+pytestmark = pytest.mark.slow
+ARCHS = ("qwen3", "qwen3_moe", "deepseek_v3")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pair(request, tmp_path_factory):
+    """(trainer, direct engine, load_weights engine, the trainer's state) for one model."""
+    start = initial_checkpoint(Case(request.param, dp=2), tmp_path_factory.mktemp(request.param))
+    state = load_file(f"{start}/model.safetensors")
+    configs = [engine_config(start), engine_config(start)]
+    engines = [LocalEngine(configs[0]),
+               LocalEngine(type(configs[1])(**{**configs[1].__dict__, "apply": "load_weights"}))]
+    try:
+        trainer = join_one_trainer(engines, state, bucket_bytes=16 << 10)
+        yield request.param, trainer, engines, state
+        trainer.group.destroy()
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def _step(state: dict[str, torch.Tensor], seed: int) -> None:
+    """A new version of every tensor, in place (dtypes kept: the fp32 router bias too)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, t in state.items():
+        state[name] = (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(t.dtype)
+
+
+def _assert_same_engines(engines, state) -> None:
+    direct, loaders = (e.read() for e in engines)
+    assert sorted(direct) == sorted(loaders)
+    differ = [n for n in direct if not torch.equal(direct[n].contiguous().view(torch.uint8),
+                                                   loaders[n].contiguous().view(torch.uint8))]
+    assert differ == [], f"direct apply and load_weights differ in {differ}"
+    assert compare_params(direct, vllm_layout(state)) >= 4
+    assert greedy(engines[0], PROMPTS, 6) == greedy(engines[1], PROMPTS, 6)
+
+
+def test_direct_refits_equal_load_weights_bit_for_bit(pair) -> None:
+    arch, trainer, engines, state = pair
+    for version in (1, 2, 3):  # 1 learns the map (through load_weights), 2 and 3 apply it
+        _step(state, version)
+        trainer.refit(version)
+        _assert_same_engines(engines, state)
+    (report,) = engines[0].apply_reports()
+    assert report["path"] == "direct" and report["unloaded_tensors"] == 0, report
+    share = report["direct_bytes"] / report["total_bytes"]
+    assert share >= 0.9, f"{arch}: only {share:.1%} of the bytes applied directly: {report}"
+    if arch != "deepseek_v3":  # its fp32 router bias is loaded into a live tensor: loaders
+        assert report["fallback_tensors"] == 0, report
+    assert engines[1].apply_reports() == [{"path": "load_weights"}]
+
+
+class _DriftAt(DictWeightSource):
+    """Yields tensor `name` as fp32 where the plan says bf16: the sender aborts there."""
+
+    def __init__(self, tensors, name: str) -> None:
+        super().__init__(tensors)
+        self.name = name
+
+    def iter_tensors(self, plan):
+        for name, t in super().iter_tensors(plan):
+            yield name, (t.float() if name == self.name else t)
+
+
+def test_a_direct_refit_failing_midway_refuses_to_serve_until_one_lands(pair) -> None:
+    arch, trainer, engines, state = pair
+    if arch != "qwen3_moe":
+        pytest.skip("one model is enough for the engine-state rules")
+    version = int(engines[0].weight_version()) + 1
+    _step(state, 100 + version)
+    late = list(state)[-2]  # buckets before it are already applied when the sender aborts
+    with pytest.raises(Exception, match=late.replace(".", r"\.")):
+        trainer.fleet.refit(lambda: trainer.sender.refit(_DriftAt(state, late), version),
+                            version, "keep")
+    for engine in engines:
+        assert engine.failed is not None and engine.failed[0] == version
+        with pytest.raises(EngineError, match=f"(?s)refusing to serve.*v{version} failed"):
+            engine.generate([[1, 2, 3]], 2)
+    trainer.refit(version + 1)
+    _assert_same_engines(engines, state)
+    assert engines[0].apply_reports()[0]["path"] == "direct"
