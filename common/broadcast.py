@@ -103,7 +103,7 @@ class _Endpoint:
         stats.seconds = time.perf_counter() - t0  # this rank's work, sent to the others
         mine = "" if error is None else f"{type(error).__name__}: {error}"
         times = {"seconds": stats.seconds, "wait_s": stats.wait_s, "load_s": stats.load_s,
-                 "buckets_loaded": stats.buckets_loaded}
+                 "post_s": stats.post_s, "buckets_loaded": stats.buckets_loaded}
         statuses = self.group.all_gather_bytes(encode_status(mine, times), STATUS_BYTES,
                                                f"refit v{stats.version} status")
         stats.seconds = time.perf_counter() - t0
@@ -365,5 +365,6 @@ class RefitReceiver(_Endpoint):
                 error = RefitError(f"{self.group.who}: finishing refit v{stats.version} "
                                    f"failed: {type(e).__name__}: {e}")
                 error.__cause__ = e
-        stats.load_s += time.perf_counter() - t1
+        stats.post_s = time.perf_counter() - t1
+        stats.load_s += stats.post_s
         return error

@@ -5,7 +5,8 @@
 `Fill`), and every other write into such a tensor or read of received bytes, which makes the
 tensors involved unmappable. `LoadMap.build` turns the fills into byte runs per bucket and
 accepts a destination only if its fills tile its loadable bytes exactly, so replaying the runs
-is the loaders' own copies, in one native memcpy loop. Nothing here imports vLLM.
+is the loaders' own copies (`BucketCopy`: one memcpy loop on CPU, one scatter launch on CUDA).
+Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from common import native
+from common.pack_kernel import BufferKernel
 
 MIN_RUN_BYTES = 64  # an element-wise strided copy is no memcpy: leave it to the loaders
 
@@ -219,3 +223,51 @@ def tiles_exactly(dst_offsets: np.ndarray, lengths: np.ndarray, loadable: int) -
     order = np.argsort(dst_offsets, kind="stable")
     starts, ends = dst_offsets[order], dst_offsets[order] + lengths[order]
     return int(lengths.sum()) == loadable and bool(np.all(starts[1:] >= ends[:-1]))
+
+
+class BucketCopy:
+    """One bucket's byte runs: source offsets from its first tensor, destination (index into
+    the caller's base addresses) and offset, length. `run` copies them all: one native
+    memcpy loop on CPU, one scatter launch per copy unit on CUDA (`BufferKernel`)."""
+
+    def __init__(self, src: np.ndarray, dest: np.ndarray, dst: np.ndarray,
+                 nbytes: np.ndarray) -> None:
+        self.src, self.dest, self.dst, self.nbytes = src, dest, dst, nbytes
+        self._kernels: tuple[int, list] | None = None  # (source address, per unit) on CUDA
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    def run(self, first: torch.Tensor, bases: np.ndarray) -> None:
+        """Copy from the bucket whose first received tensor is `first` into the
+        destinations at `bases` (their current addresses)."""
+        if not len(self):
+            return
+        dst = bases[self.dest] + self.dst
+        if first.device.type != "cuda":
+            native.load().copy_bytes(torch.from_numpy(first.data_ptr() + self.src),
+                                     torch.from_numpy(dst), torch.from_numpy(self.nbytes))
+            return
+        for kernel, idx in self._cuda_kernels(first):
+            table = dst[idx]
+            bits = int(np.bitwise_or.reduce(table))
+            if bits % kernel.unit:
+                raise RuntimeError(f"a destination of the direct apply is not aligned to its "
+                                   f"{kernel.unit}-byte copy unit (address bits {bits:#x})")
+            kernel.run(table, bits)
+
+    def _cuda_kernels(self, first: torch.Tensor) -> list:
+        """Scatter kernels over the bucket's bytes, one per copy unit (built on first use;
+        rebuilt when the bucket arrives elsewhere: an oversize tensor has its own memory)."""
+        if self._kernels is None or self._kernels[0] != first.data_ptr():
+            size = int((self.src + self.nbytes).max())
+            raw = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+                first.untyped_storage(), first.storage_offset() * first.itemsize, (size,))
+            units = np.gcd(np.gcd(np.gcd(self.src, self.dst), self.nbytes), 8)
+            kernels = []
+            for unit in np.unique(units)[::-1]:
+                idx = np.flatnonzero(units == unit)
+                kernels.append((BufferKernel(raw, int(unit), self.src[idx].tolist(),
+                                             self.nbytes[idx].tolist(), scatter=True), idx))
+            self._kernels = (first.data_ptr(), kernels)
+        return self._kernels[1]

@@ -1,13 +1,13 @@
-"""One-launch CUDA pack of many small tensors into a bucket buffer (Triton).
+"""One-launch CUDA copies between one bucket buffer and many tensors (Triton).
 
-A foreach copy of 20,000 x 0.39 MB tensors reaches ~1.25 TB/s on an H200 (each of its launches
-carries few tensors); one kernel over a pointer table copies every tensor of a bucket in one
-launch. The bucket's destinations and sizes are fixed by the plan, so the chunk table is built
-once; each pack only uploads the source pointers, and after the first pack of a bucket that
-upload and the launch replay as one CUDA graph. Where every destination, size and source is
-16-byte aligned the kernel is told so (`VEC`) and moves 16-byte words: on an H200 that takes it
-from ~3.6 to ~4.1 TB/s (one big copy: 4.25), since sizes and addresses loaded from memory
-otherwise leave Triton assuming one-element alignment.
+A foreach copy of thousands of small tensors launches many kernels that each carry few
+tensors; one kernel over a pointer table copies every tensor of a bucket in one launch. The
+buffer side (offsets, sizes) is fixed by the plan, so the chunk table is built once; each call
+only uploads the other side's pointers, and after the first call of a bucket that upload and
+the launch replay as one CUDA graph. The same kernel packs the sender's tensors into the buffer
+and scatters a received buffer into the engine's params (`scatter=True`). Where every address and
+size is 16-byte aligned the kernel is told so (`VEC`) and moves 16-byte words: addresses loaded
+from memory otherwise leave Triton assuming one-element alignment.
 """
 
 from __future__ import annotations
@@ -31,48 +31,52 @@ _UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 if triton is not None:
 
     @triton.jit
-    def _copy_chunks(src_ptrs, dst, dst_offs, sizes, chunk_slot, chunk_start,
-                     BLOCK: tl.constexpr, VEC: tl.constexpr, ALIGN: tl.constexpr):
+    def _copy_chunks(ptrs, buf, buf_offs, sizes, chunk_slot, chunk_start, BLOCK: tl.constexpr,
+                     VEC: tl.constexpr, ALIGN: tl.constexpr, SCATTER: tl.constexpr):
         pid = tl.program_id(0)
         slot = tl.load(chunk_slot + pid)
         start = tl.multiple_of(tl.load(chunk_start + pid), BLOCK)
         n = tl.multiple_of(tl.load(sizes + slot), VEC)  # in elements, like the offsets
-        address = tl.multiple_of(tl.load(src_ptrs + slot), ALIGN)  # in bytes
-        src = address.to(dst.dtype)  # int64 address -> typed pointer
+        address = tl.multiple_of(tl.load(ptrs + slot), ALIGN)  # in bytes
+        other = address.to(buf.dtype)  # int64 address -> typed pointer
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        vals = tl.load(src + offs, mask=mask)
-        tl.store(dst + tl.multiple_of(tl.load(dst_offs + slot), VEC) + offs, vals, mask=mask)
+        here = buf + tl.multiple_of(tl.load(buf_offs + slot), VEC) + offs
+        if SCATTER:
+            tl.store(other + offs, tl.load(here, mask=mask), mask=mask)
+        else:
+            tl.store(here, tl.load(other + offs, mask=mask), mask=mask)
 
 
 def kernel_available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
-class KernelPack:
-    """Chunk table for slots copied in `unit`-byte words; `pack(ptrs)` copies in one launch."""
+class BufferKernel:
+    """Chunk table for slots of `buffer` copied in `unit`-byte words; `run(ptrs)` copies each
+    slot from (`scatter=False`: the pack) or to (`scatter=True`) the address in `ptrs`."""
 
     def __init__(self, buffer: torch.Tensor, unit: int, offsets: Sequence[int],
-                 nbytes: Sequence[int]) -> None:
-        self.unit = u = unit
+                 nbytes: Sequence[int], scatter: bool = False) -> None:
+        self.unit, self.scatter = u, _ = unit, scatter
         dev = buffer.device
-        self.dst = buffer[: buffer.numel() // u * u].view(_UNIT_DTYPES[u])
+        self.buf = buffer[: buffer.numel() // u * u].view(_UNIT_DTYPES[u])
         base = buffer.data_ptr()
-        # 16-byte words where every destination and size allows (sources are checked per pack)
+        # 16-byte words where every slot and size allows (the other side is checked per run)
         self.vec = 16 // u if all((base + o) % 16 == 0 and n % 16 == 0
                                   for o, n in zip(offsets, nbytes, strict=True)) else 1
         sizes = [n // u for n in nbytes]
         slots = [i for i, n in enumerate(sizes) for _ in range(0, n, BLOCK)]
         starts = [s for n in sizes for s in range(0, n, BLOCK)]
-        self.dst_offs = torch.tensor([o // u for o in offsets], dtype=torch.int64, device=dev)
+        self.buf_offs = torch.tensor([o // u for o in offsets], dtype=torch.int64, device=dev)
         self.sizes = torch.tensor(sizes, dtype=torch.int64, device=dev)
         self.chunk_slot = torch.tensor(slots, dtype=torch.int32, device=dev)
         self.chunk_start = torch.tensor(starts, dtype=torch.int64, device=dev)
-        # Source pointers go up through a pinned staging table, non-blocking: a pageable upload
+        # The pointers go up through a pinned staging table, non-blocking: a pageable upload
         # would wait for the stream (the previous bucket's kernel), so the host could not
         # prepare the next bucket meanwhile. `uploaded` guards the staging table's reuse.
         self.host_ptrs = torch.empty(len(sizes), dtype=torch.int64, pin_memory=True)
-        self.src_ptrs = torch.empty(len(sizes), dtype=torch.int64, device=dev)
+        self.ptrs = torch.empty(len(sizes), dtype=torch.int64, device=dev)
         self.host_table = self.host_ptrs.numpy()
         self.uploaded = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}  # per VEC, captured on first use
@@ -82,17 +86,17 @@ class KernelPack:
         """Compile the kernel and capture its graph now, copying every slot onto itself (each
         program reads its chunk, then writes it back), so the first refit runs at speed."""
         if len(self.home):
-            self.pack(self.home, int(np.bitwise_or.reduce(self.home)))
+            self.run(self.home, int(np.bitwise_or.reduce(self.home)))
 
-    def pack(self, ptrs: np.ndarray, address_bits: int) -> None:
-        """Copy from the source addresses `ptrs` (contiguous, unit-aligned, this device);
-        `address_bits`: the bitwise or of them (its low bits give their common alignment)."""
+    def run(self, ptrs: np.ndarray, address_bits: int) -> None:
+        """Copy between the slots and the addresses `ptrs` (contiguous, unit-aligned, this
+        device); `address_bits`: the bitwise or of them (its low bits: their alignment)."""
         if not self.chunk_slot.numel():
             return
         vec = self.vec if address_bits % 16 == 0 else 1
         self.uploaded.synchronize()  # the last upload from the staging table has been read
         self.host_table[:] = ptrs
-        with torch.cuda.device(self.dst.device):  # Triton launches on the current device
+        with torch.cuda.device(self.buf.device):  # Triton launches on the current device
             if (graph := self.graphs.get(vec)) is not None:
                 graph.replay()
             else:
@@ -102,10 +106,10 @@ class KernelPack:
             self.uploaded.record()
 
     def _upload_and_copy(self, vec: int) -> None:
-        self.src_ptrs.copy_(self.host_ptrs, non_blocking=True)
+        self.ptrs.copy_(self.host_ptrs, non_blocking=True)
         _copy_chunks[(self.chunk_slot.numel(),)](
-            self.src_ptrs, self.dst, self.dst_offs, self.sizes, self.chunk_slot,
-            self.chunk_start, BLOCK=BLOCK, VEC=vec, ALIGN=vec * self.unit)
+            self.ptrs, self.buf, self.buf_offs, self.sizes, self.chunk_slot, self.chunk_start,
+            BLOCK=BLOCK, VEC=vec, ALIGN=vec * self.unit, SCATTER=self.scatter)
 
     def _capture(self, vec: int) -> torch.cuda.CUDAGraph | None:
         """The upload and the launch as one CUDA graph (it reads the staging table when it

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from common import native
-from common.pack_kernel import KernelPack, kernel_available
+from common.pack_kernel import BufferKernel, kernel_available
 from common.plan import TensorSpec
 
 
@@ -74,7 +74,7 @@ class BucketLayout:
         self._cpu_table: tuple[torch.Tensor, torch.Tensor] | None = None  # copy_bytes' tables
         self._unpacked: list[tuple[str, torch.Tensor]] | None = None
 
-    def _kernels(self, base: int) -> list[tuple[np.ndarray | None, KernelPack]]:
+    def _kernels(self, base: int) -> list[tuple[np.ndarray | None, BufferKernel]]:
         """One pointer-table kernel per copy unit (the widest of 8/4/2/1 bytes that fits)."""
         by_unit: dict[int, list[int]] = {}
         for i, view in enumerate(self.views):
@@ -84,7 +84,7 @@ class BucketLayout:
         everything = list(range(len(self.specs)))
         return [
             (None if idx == everything else np.array(idx, dtype=np.int64),
-             KernelPack(self.buffer, unit, [self.offsets[i] for i in idx],
+             BufferKernel(self.buffer, unit, [self.offsets[i] for i in idx],
                         [self.specs[i].nbytes for i in idx]))
             for unit, idx in sorted(by_unit.items(), reverse=True)
         ]
@@ -157,7 +157,7 @@ class BucketLayout:
                 return False  # a source not aligned to its slot's copy unit
             tables.append((kernel, table, bits))
         for kernel, table, bits in tables:
-            kernel.pack(table, bits)
+            kernel.run(table, bits)
         return True
 
     def warm(self) -> None:

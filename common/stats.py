@@ -16,11 +16,12 @@ class RefitStats:
     produce_s: float = 0.0  # iterating the weight source: gathers and conversions
     pack_s: float = 0.0
     wait_s: float = 0.0  # blocked on the refit group's collectives
-    load_s: float = 0.0  # receiver callback (e.g. model.load_weights)
+    load_s: float = 0.0  # receiver callback (e.g. model.load_weights), post_s included
+    post_s: float = 0.0  # receiver: what runs after the last bucket (post-load processing)
     buckets_loaded: int = 0  # buckets handed to the receiver callback
     checksum_s: float = 0.0  # receiver: checking the received bytes against the sender's
     role: str = "sender"
-    # Each receiving rank's own timings ({"seconds", "wait_s", "load_s"}), from the status
+    # Each receiving rank's own timings ({"seconds", "wait_s", "load_s", "post_s"}), from the status
     # exchange at the end of a refit that landed.
     receivers: dict[int, dict[str, float]] = field(default_factory=dict)
 

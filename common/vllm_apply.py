@@ -29,8 +29,7 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, materialize_layer
 from vllm.model_executor.model_loader.reload.utils import get_layer_tensors, get_tensor_load_numel
 
-from common import native
-from common.load_map import CopyRecorder, Dest, Fill, byte_runs, tiles_exactly
+from common.load_map import BucketCopy, CopyRecorder, Dest, Fill, byte_runs, tiles_exactly
 from common.plan import RefitPlan
 
 log = logging.getLogger(__name__)
@@ -42,10 +41,7 @@ Items = list[tuple[str, torch.Tensor]]
 class BucketRuns:
     """One bucket's share: byte runs from its tensors into destinations, and the layers."""
 
-    src: np.ndarray  # byte offsets from the bucket's first tensor
-    dest: np.ndarray  # index into `DirectLoad.dests`
-    dst: np.ndarray  # byte offsets from the destination's first byte
-    nbytes: np.ndarray
+    copy: BucketCopy  # destinations index `DirectLoad.dests`
     fallback: list[int] = field(default_factory=list)  # positions left to `load_weights`
     loaded: set[str] = field(default_factory=set)  # param names it fills
     first_touch: list[str] = field(default_factory=list)  # processed layers materialised here
@@ -78,15 +74,21 @@ class DirectLoad:
 
     def __init__(self, model: torch.nn.Module, dests: list[Dest], kinds: dict[str, str],
                  runs: dict[int, BucketRuns], report: dict) -> None:
-        self.model, self.dests, self.kinds, self.runs, self.report = model, dests, kinds, runs, report
+        self.model, self.dests, self.kinds, self.runs = model, dests, kinds, runs
+        self.report = report
         self.plan_digest = report["plan_digest"]
         self.modules = dict(model.named_modules())
+        self.paths = {m: p for p, m in self.modules.items()}
+        # what vLLM's reload must open each refit: every layer with loadable tensors but the
+        # copy ones, and the attention layers (processed at its end, e.g. MLA's derived weights)
+        self.reloaded = torch.nn.ModuleList(
+            [m for p, m in self.modules.items() if is_deferred_attention_layer(m)
+             or (model_format(m) and kinds.get(p) != COPY)])
         self.shapes = self._live_shapes()
         self.bases = np.zeros(len(dests), dtype=np.int64)
         self.dest_index: dict[str, list[int]] = defaultdict(list)
         for i, dest in enumerate(dests):
             self.dest_index[dest.layer].append(i)
-        self._native = native.load()
 
     def _live_shapes(self) -> dict[Dest, tuple]:
         live = {}
@@ -105,12 +107,11 @@ class DirectLoad:
         return None
 
     def begin(self) -> None:
-        """Open vLLM's reload for every layer but the copy ones, which keep serving tensors
-        the runs write into (resolved by name now: a refit may have replaced them)."""
-        initialize_layerwise_reload(self.model)
-        for path, kind in self.kinds.items():
-            if kind == COPY:
-                layer = self.modules[path]
+        """Open vLLM's reload for the layers that need it (not the copy ones: they keep the
+        serving tensors the runs write into, resolved by name now: a refit may replace them)."""
+        initialize_layerwise_reload(self.reloaded)
+        for layer in self.reloaded.modules():
+            if self.kinds.get(self.paths.get(layer)) == COPY:  # a copy layer inside another
                 _place_kernel_tensors(layer, LAYERWISE_INFO[layer])
                 LAYERWISE_INFO[layer].reset()
         for i, dest in enumerate(self.dests):
@@ -126,11 +127,7 @@ class DirectLoad:
             live = get_layer_tensors(layer)
             for i in self.dest_index[path]:
                 self.bases[i] = live[self.dests[i].name].data_ptr()
-        if len(runs.nbytes):
-            src = items[0][1].data_ptr() + runs.src
-            dst = self.bases[runs.dest] + runs.dst
-            self._native.copy_bytes(torch.from_numpy(src), torch.from_numpy(dst),
-                                    torch.from_numpy(runs.nbytes))
+        runs.copy.run(items[0][1], self.bases)
         for path in runs.finishing:
             layer = self.modules[path]
             _layerwise_process(layer, LAYERWISE_INFO[layer])
@@ -165,8 +162,9 @@ def learn(model: torch.nn.Module, plan: RefitPlan, recorder: CopyRecorder) -> Di
     kinds = {p: k for p, k in kinds.items() if p not in bad_layers}
     dests = sorted({f.dest for f in recorder.fills if f.dest.layer in kinds},
                    key=lambda d: (d.layer, d.name))
+    params = {p: set(get_layerwise_info(m).restore_metadata[0]) for p, m in layers.items()}
     runs = _bucket_runs(plan, bad_tensors, ran, {d: i for i, d in enumerate(dests)}, kinds,
-                        {p: set(get_layerwise_info(m).restore_metadata[0]) for p, m in layers.items()})
+                        params)
     report = _report(plan, bad_tensors, ran)
     return DirectLoad(model, dests, kinds, runs, report)
 
@@ -233,7 +231,7 @@ def _bucket_runs(plan: RefitPlan, bad_tensors: dict[int, str], ran: dict[int, Ru
     """Each bucket's runs (offsets from its first tensor), fallback positions and layers."""
     out, seen, last = {}, set(), {}
     for bucket in plan.buckets:
-        parts, br = [], BucketRuns(*(np.zeros(0, dtype=np.int64),) * 4)
+        parts, br = [], BucketRuns(BucketCopy(*(np.zeros(0, dtype=np.int64),) * 4))
         for pos, t in enumerate(bucket.spec_indices):
             rel = bucket.offsets[pos] - bucket.offsets[0]
             if t in bad_tensors or rel % plan.specs[t].dtype.itemsize:
@@ -251,7 +249,7 @@ def _bucket_runs(plan: RefitPlan, bad_tensors: dict[int, str], ran: dict[int, Ru
                         br.first_touch.append(layer)
                     last[layer] = bucket.index
         if parts:
-            br.src, br.dest, br.dst, br.nbytes = (np.concatenate(c) for c in zip(*parts))
+            br.copy = BucketCopy(*(np.concatenate(c) for c in zip(*parts, strict=True)))
         out[bucket.index] = br
     for layer, index in last.items():
         out[index].finishing.append(layer)
@@ -264,7 +262,8 @@ def _report(plan: RefitPlan, bad_tensors: dict[int, str], ran: dict[int, RunList
     fallback = list(bad_tensors)
     reasons = Counter(why.split(" (")[0] for why in bad_tensors.values())
     nbytes = lambda idx: sum(plan.specs[i].nbytes for i in idx)  # noqa: E731
-    return {"plan_digest": plan.digest, "direct_tensors": len(direct), "direct_bytes": nbytes(direct),
+    return {"plan_digest": plan.digest, "direct_tensors": len(direct),
+            "direct_bytes": nbytes(direct),
             "fallback_tensors": len(fallback), "fallback_bytes": nbytes(fallback),
             "unloaded_tensors": len(plan.specs) - len(direct) - len(fallback),
             "total_bytes": plan.total_bytes, "fallback_reasons": dict(reasons.most_common(5))}

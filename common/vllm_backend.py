@@ -111,7 +111,9 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         if self.direct is None:
             self.apply_report = {"path": _apply_mode()}
         self._index = {spec.name: i for i, spec in enumerate(plan.specs)}
-        self._bucket_of = {plan.specs[b.start].name: b.index for b in plan.buckets if b.stop > b.start}
+        self._moe_layers = _moe_layers(self.model)
+        self._bucket_of = {plan.specs[b.start].name: b.index for b in plan.buckets
+                           if b.stop > b.start}
         log.info("%s: joined with plan %s (%d tensors, %d buckets)", group.who,
                  plan.digest[:12], len(plan.specs), len(plan.buckets))
 
@@ -190,7 +192,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             finalized = True
             with watch:
                 finalize_layerwise_reload(model, self.model_config)
-            _redo_cpu_moe_prepack(model, loaded)
+            _redo_cpu_moe_prepack(self._moe_layers, loaded)
             if missing := sorted(_loadable(model) - loaded):
                 raise RuntimeError(f"no value arrived for {len(missing)} param(s), e.g. "
                                    f"{missing[0]!r}")
@@ -205,7 +207,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             if not finalized:  # the group failed mid-refit: close the reload session anyway
                 try:
                     finalize_layerwise_reload(model, self.model_config)
-                    _redo_cpu_moe_prepack(model, loaded)
+                    _redo_cpu_moe_prepack(self._moe_layers, loaded)
                 except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
                     log.exception("closing the reload session of failed refit v%d", version)
         self.last_version, self.landed = version, True
@@ -300,15 +302,20 @@ def _loadable(model: torch.nn.Module) -> set[str]:
     return names & {n for n, _ in model.named_parameters()}
 
 
-def _redo_cpu_moe_prepack(model: torch.nn.Module, loaded: set[str]) -> None:
+def _moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The layers holding fused-MoE experts on the CPU (found once: a refit only needs them)."""
+    return [(prefix, module) for prefix, module in model.named_modules()
+            if getattr(module, "w13_weight", None) is not None
+            and module.w13_weight.device.type == "cpu"]
+
+
+def _redo_cpu_moe_prepack(layers: list[tuple[str, torch.nn.Module]], loaded: set[str]) -> None:
     """vLLM's CPU fused-MoE kernels keep a prepacked copy of the experts that an in-place
     reload does not refresh (generation stays silently wrong): redo that prepack, for the
     layers this refit loaded only (it re-lays out whatever it is given: run on weights it
     already packed, it would change weights a failed refit never touched)."""
-    for prefix, module in model.named_modules():
+    for prefix, module in layers:
         experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None),
                           "fused_experts", None)
-        weight = getattr(module, "w13_weight", None)
-        if (experts is not None and weight is not None and weight.device.type == "cpu"
-                and {f"{prefix}.w13_weight", f"{prefix}.w2_weight"} & loaded):
+        if experts is not None and {f"{prefix}.w13_weight", f"{prefix}.w2_weight"} & loaded:
             experts.process_weights_after_loading(module)

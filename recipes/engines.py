@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from common.engine_client import EngineClient
+import torch
+
+from common.broadcast import RefitSender
+from common.config import RefitConfig
+from common.engine_client import EngineClient, EngineFleet
+from common.group import RefitGroup, free_port
+from common.plan import RefitPlan
+from common.source import DictWeightSource
 
 KINDS = ("serve", "local")
 MAX_MODEL_LEN, KV_CACHE_BYTES = 128, 64 << 20
+LOCAL_LLM_KWARGS = {"kv_cache_memory_bytes": KV_CACHE_BYTES, "max_model_len": MAX_MODEL_LEN,
+                    "max_num_seqs": 4}
 
 
 @contextlib.contextmanager
@@ -30,9 +40,7 @@ def open_engine(kind: str, checkpoint: str, log_dir: str | Path) -> Iterator[Eng
         from common.engine import LocalEngine
         from common.engine_config import EngineConfig
 
-        kwargs = {"kv_cache_memory_bytes": KV_CACHE_BYTES, "max_model_len": MAX_MODEL_LEN,
-                  "max_num_seqs": 4}
-        with LocalEngine(EngineConfig(model=checkpoint, llm_kwargs=kwargs)) as client:
+        with LocalEngine(EngineConfig(model=checkpoint, llm_kwargs=LOCAL_LLM_KWARGS)) as client:
             yield client
     else:
         raise ValueError(f"engine kind {kind!r} is not one of {KINDS}")
@@ -52,3 +60,31 @@ def replayed_batches(rows_path: str) -> list[list[list[int]]]:
 
     rows = json.loads(Path(rows_path).read_text())
     return [r["batch"] for r in rows if "batch" in r]
+
+
+@dataclass
+class OneTrainer:
+    """This test process as the only training rank of a refit group with `fleet`'s engines."""
+
+    fleet: EngineFleet
+    group: RefitGroup
+    sender: RefitSender
+    source: DictWeightSource
+
+    def refit(self, version: int, mode: str = "keep"):
+        return self.fleet.refit(lambda: self.sender.refit(self.source, version), version, mode)
+
+
+def join_one_trainer(engines: list, state: dict[str, torch.Tensor], timeout_s: float = 60.0,
+                     bucket_bytes: int = 16 << 10) -> OneTrainer:
+    """The engines join a fresh refit group; this process sends `state` in each refit."""
+    fleet, port = EngineFleet(engines), free_port()
+    joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=timeout_s)
+    group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=fleet.world_size(1),
+                       num_trainers=1, timeout_s=timeout_s, device="cpu",
+                       rank_names=fleet.rank_names(1))
+    source = DictWeightSource(state)
+    sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(),
+                                                      RefitConfig(bucket_bytes=bucket_bytes)))
+    joining.result(timeout_s)
+    return OneTrainer(fleet, group, sender, source)

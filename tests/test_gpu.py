@@ -154,3 +154,34 @@ def test_back_to_back_packs_of_one_bucket_with_the_stream_busy() -> None:
     got = BucketLayout(snapshot, specs, bucket.offsets).unpack()
     assert all(torch.equal(v, t) for (_, v), t in zip(got, a, strict=True))
     assert all(torch.equal(v, t) for (_, v), t in zip(layout.unpack(), b, strict=True))
+
+
+def test_scatter_kernel_copies_every_run_bit_for_bit_and_refuses_a_misaligned_destination():
+    """The direct apply's CUDA path: byte runs of one received bucket into many params, runs of
+    every copy unit (8/4/2/1 bytes, 16-byte words where aligned), twice (graph replay), then
+    into a destination moved off its unit's alignment."""
+    import numpy as np
+
+    from common.load_map import BucketCopy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    buf = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda", generator=g)
+    runs = [(0, 0, 0, 4096), (4096, 1, 64, 3000), (8192, 1, 4000, 7), (9000, 2, 2, 6),
+            (16384, 3, 0, 500_000), (600_000, 2, 100, 1),
+            (700_000, 0, 5000, 12)]  # (source offset, destination, its offset, bytes)
+    src, dest, dst, n = (np.array(c, dtype=np.int64) for c in zip(*runs, strict=True))
+    copy = BucketCopy(src, dest, dst, n)
+    params = [torch.zeros(600_000, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    bases = np.array([p.data_ptr() for p in params], dtype=np.int64)
+    for _ in range(2):
+        for p in params:
+            p.zero_()
+        copy.run(buf, bases)
+        torch.cuda.synchronize()
+        want = [torch.zeros_like(p) for p in params]
+        for s, d, o, k in runs:
+            want[d][o:o + k] = buf[s:s + k]
+        assert all(torch.equal(p, w) for p, w in zip(params, want, strict=True))
+    assert sorted(k.unit for k, _ in copy._cuda_kernels(buf)) == [1, 2, 4, 8]
+    with pytest.raises(RuntimeError, match="not aligned to its 8-byte copy unit"):
+        copy.run(buf, bases + 1)

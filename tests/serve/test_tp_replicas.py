@@ -1,6 +1,7 @@
 """A `vllm serve` engine with tensor parallel 2 and two data-parallel replicas (4 workers, CPU
 mp executor + gloo) in one refit group: every worker joins with its own rank, and after a
-refit each replica generates exactly what a fresh TP2 server on the new weights generates.
+refit each replica generates exactly what a fresh TP2 server on the new weights generates,
+also on the later refits that each worker applies directly (its learned load map).
 """
 
 from __future__ import annotations
@@ -61,5 +62,11 @@ def test_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_engine(checkpoints
                 got = _greedy(engine, r)
                 assert got == want, f"replica {r} differs from a fresh TP2 engine"
                 assert got[0] != before[r][0]
+            # v1 taught every worker its load map (its own TP shard); v2 and v3 apply it
+            for version, state, expected in ((2, 0, before), (3, 1, [want, want])):
+                source.tensors = checkpoints.states[state]
+                fleet.refit(lambda v=version: sender.refit(source, v), version)
+                for r in range(DP):
+                    assert _greedy(engine, r) == expected[r], f"v{version}: replica {r} differs"
         finally:
             group.destroy()

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
-from common.broadcast import RefitSender
-from common.config import RefitConfig
 from common.engine import LocalEngine
-from common.engine_client import EngineFleet
 from common.engine_config import EngineConfig
-from common.group import RefitGroup, free_port
-from common.plan import RefitPlan
 from common.source import DictWeightSource
+from recipes.engines import OneTrainer, join_one_trainer  # noqa: F401 - the tests' trainer
 from recipes.vllm_checks import vllm_layout
 
 LLM_KWARGS = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 64, "max_num_seqs": 4}
@@ -41,34 +36,6 @@ def expected_params(checkpoint_dir) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return vllm_layout(load_file(f"{checkpoint_dir}/model.safetensors"))
-
-
-@dataclass
-class OneTrainer:
-    """This test process as the only training rank of a refit group with `fleet`'s engines."""
-
-    fleet: EngineFleet
-    group: RefitGroup
-    sender: RefitSender
-    source: DictWeightSource
-
-    def refit(self, version: int, mode: str = "keep"):
-        return self.fleet.refit(lambda: self.sender.refit(self.source, version), version, mode)
-
-
-def join_one_trainer(engines: list, state: dict[str, torch.Tensor], timeout_s: float = 60.0,
-                     bucket_bytes: int = 16 << 10) -> OneTrainer:
-    """The engines join a fresh refit group; this process sends `state` in each refit."""
-    fleet, port = EngineFleet(engines), free_port()
-    joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=timeout_s)
-    group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=fleet.world_size(1),
-                       num_trainers=1, timeout_s=timeout_s, device="cpu",
-                       rank_names=fleet.rank_names(1))
-    source = DictWeightSource(state)
-    sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(),
-                                                      RefitConfig(bucket_bytes=bucket_bytes)))
-    joining.result(timeout_s)
-    return OneTrainer(fleet, group, sender, source)
 
 
 class KillingSource(DictWeightSource):
