@@ -84,6 +84,8 @@ class DirectLoad:
         self.reloaded = torch.nn.ModuleList(
             [m for p, m in self.modules.items() if is_deferred_attention_layer(m)
              or (model_format(m) and kinds.get(p) != COPY)])
+        self.processed = torch.nn.ModuleList(
+            [self.modules[p] for p, k in kinds.items() if k == PROCESS])
         self.shapes = self._live_shapes()
         self.bases = np.zeros(len(dests), dtype=np.int64)
         self.dest_index: dict[str, list[int]] = defaultdict(list)
@@ -106,11 +108,13 @@ class DirectLoad:
                 return f"{dest.param_name} changed shape or dtype since the map was learned"
         return None
 
-    def begin(self) -> None:
+    def begin(self, direct_only: bool = False) -> None:
         """Open vLLM's reload for the layers that need it (not the copy ones: they keep the
-        serving tensors the runs write into, resolved by name now: a refit may replace them)."""
-        initialize_layerwise_reload(self.reloaded)
-        for layer in self.reloaded.modules():
+        serving tensors the runs write into, resolved by name now: a refit may replace them);
+        `direct_only`: for the processed layers of the map alone (a re-apply, see `verify`)."""
+        opened = self.processed if direct_only else self.reloaded
+        initialize_layerwise_reload(opened)
+        for layer in opened.modules():
             if self.kinds.get(self.paths.get(layer)) == COPY:  # a copy layer inside another
                 _place_kernel_tensors(layer, LAYERWISE_INFO[layer])
                 LAYERWISE_INFO[layer].reset()
@@ -118,8 +122,10 @@ class DirectLoad:
             if self.kinds[dest.layer] == COPY:
                 self.bases[i] = get_layer_tensors(self.modules[dest.layer])[dest.name].data_ptr()
 
-    def load(self, index: int, items: Items, fallback: Callable[[Items], set[str]]) -> set[str]:
-        """Apply bucket `index`; its other tensors go to `fallback` (`load_weights`)."""
+    def load(self, index: int, items: Items,
+             fallback: Callable[[Items], set[str]] | None) -> set[str]:
+        """Apply bucket `index`; its other tensors go to `fallback` (`load_weights`), or
+        nowhere if None (`items` may then be the bucket's bytes alone)."""
         runs = self.runs[index]
         for path in runs.first_touch:
             layer = self.modules[path]
@@ -132,7 +138,7 @@ class DirectLoad:
             layer = self.modules[path]
             _layerwise_process(layer, LAYERWISE_INFO[layer])
         loaded = set(runs.loaded)
-        if runs.fallback:
+        if runs.fallback and fallback is not None:
             loaded |= fallback([items[i] for i in runs.fallback])
         return loaded
 

@@ -44,8 +44,9 @@ from common.broadcast import RefitReceiver
 from common.checkpoint import checkpoint_tensors
 from common.group import RefitGroup
 from common.load_map import CopyRecorder
-from common.plan import RefitPlan, dtype_name
+from common.plan import Bucket, RefitPlan, dtype_name
 from common.vllm_apply import DirectLoad, learn
+from common.vllm_map_check import check_map, keep_payload, reload_kept
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                              f"version this engine already holds")
         receiver, model, loaded = self.receiver, self.model, set()
         direct, recorder = self._pick_path()
+        kept: dict[int, torch.Tensor] | None = {} if recorder and _verify_map() else None
         watch = recorder if recorder is not None else contextlib.nullcontext()
         t0 = time.perf_counter()
         if direct is not None:
@@ -185,6 +187,10 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             if direct is not None:
                 loaded.update(direct.load(self._bucket_of[items[0][0]], items, self._load))
             else:
+                if kept is not None:
+                    index = self._bucket_of[items[0][0]]
+                    kept[index] = keep_payload(items, _extent(receiver.plan.buckets[index],
+                                                              receiver.plan))
                 loaded.update(self._load(items, recorder))
 
         def finalize() -> None:  # before the status exchange: its failure reaches every rank
@@ -197,7 +203,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                 raise RuntimeError(f"no value arrived for {len(missing)} param(s), e.g. "
                                    f"{missing[0]!r}")
             if recorder is not None:
-                self._learn(recorder)
+                self._learn(recorder, kept)
 
         try:
             stats = receiver.receive(on_bucket, on_done=finalize, version=version)
@@ -234,9 +240,9 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             return None, None
         return None, CopyRecorder({m: p for p, m in self.model.named_modules()})
 
-    def _learn(self, recorder: CopyRecorder) -> None:
-        """Build the map from the refit `recorder` watched; a failure only keeps the
-        `load_weights` path (logged)."""
+    def _learn(self, recorder: CopyRecorder, kept: dict[int, torch.Tensor] | None) -> None:
+        """Build the map from the refit `recorder` watched and check it against that refit's
+        loads (`kept` bytes; None: REFIT_VERIFY_MAP=0); a failure keeps `load_weights`."""
         t0, who = time.perf_counter(), self.receiver.group.who
         try:
             self.direct = learn(self.model, self.receiver.plan, recorder)
@@ -249,6 +255,33 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                  "through load_weights%s", who, r["direct_tensors"], r["direct_bytes"] / 1e6,
                  r["fallback_tensors"], r["fallback_bytes"] / 1e6,
                  f", because: {r['fallback_reasons']}" if r["fallback_tensors"] else "")
+        if kept is not None:
+            self._check_map(kept)
+
+    def _check_map(self, kept: dict[int, torch.Tensor]) -> None:
+        """The map re-applies the learning refit's bytes; any difference drops it (and the
+        bytes are loaded again through the loaders: the engine ends on their result)."""
+        who = self.receiver.group.who
+
+        def redo(loaded: set[str]) -> None:
+            _redo_cpu_moe_prepack(self._moe_layers, loaded)
+
+        try:
+            check = check_map(self.direct, self.model, kept, redo)
+            why = f"{len(check.differ)} param(s) differ, e.g. {check.differ[0]!r}" \
+                if check.differ else None
+        except Exception as e:  # noqa: BLE001 - reported as the reason the map is dropped
+            why = f"re-applying failed: {type(e).__name__}: {e}"
+        if why is None:
+            self.apply_report.update(verified=check.compared, unreadable=check.unreadable)
+            log.info("%s: load map checked: %d params bit for bit as the loaders left them "
+                     "(%d filled params unreadable)", who, check.compared, check.unreadable)
+            return
+        log.error("%s: the load map does not reproduce load_weights (%s); every refit stays "
+                  "on load_weights", who, why)
+        self.direct = None
+        self.apply_report = {"path": "load_weights", "map_rejected": why}
+        reload_kept(self.model, self.receiver.plan, kept, self.model_config, redo)
 
     def _load(self, items: list[tuple[str, torch.Tensor]],
               recorder: CopyRecorder | None = None) -> set[str]:
@@ -290,6 +323,16 @@ def _apply_mode() -> str:
     if mode not in ("direct", "load_weights"):
         raise ValueError(f"REFIT_APPLY={mode!r}: use 'direct' or 'load_weights'")
     return mode
+
+
+def _verify_map() -> bool:
+    """REFIT_VERIFY_MAP (default 1): check a learned map against its refit's loads."""
+    return os.environ.get("REFIT_VERIFY_MAP", "1") != "0"
+
+
+def _extent(bucket: Bucket, plan: RefitPlan) -> int:
+    """Bytes from a bucket's first tensor to the end of its last."""
+    return bucket.offsets[-1] + plan.specs[bucket.stop - 1].nbytes - bucket.offsets[0]
 
 
 def _loadable(model: torch.nn.Module) -> set[str]:

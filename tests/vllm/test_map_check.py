@@ -1,0 +1,99 @@
+"""A learned load map that would load wrong bytes is caught before it is trusted.
+
+The engine (an in-process `LLM` with the refit backend, in a child process) learns its map
+from refit v1, which loads through `load_weights`; a fault injected into the map (one run of a
+norm weight reads two bytes late) must make the map's check against that refit's loads fail:
+the map is dropped, the engine ends on the loaders' result (every readable param equals the
+trainer's tensors) and it reports staying on `load_weights`. The same refit with an intact map
+is checked bit for bit and kept.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+
+from common.broadcast import RefitSender
+from common.config import RefitConfig
+from common.group import RefitGroup, free_port
+from common.plan import RefitPlan
+from common.source import DictWeightSource
+from recipes.vllm_checks import compare_params, vllm_layout
+from tests.dtensor.shard import Case
+from tests.vllm.harness import initial_checkpoint
+from tests.vllm.helpers import LLM_KWARGS
+
+pytestmark = pytest.mark.slow
+
+
+def _corrupting(learn):
+    """`learn`, then one run into a norm weight reads two bytes late (a defective map)."""
+    from common.vllm_apply import COPY
+
+    def learn_badly(*args, **kwargs):
+        direct = learn(*args, **kwargs)
+        for runs in direct.runs.values():
+            copy = runs.copy
+            for i in range(len(copy) - 1):
+                if direct.kinds[direct.dests[copy.dest[i]].layer] == COPY:
+                    copy.src[i] += 2
+                    return direct
+        raise AssertionError("no run into a copy layer to corrupt")
+
+    return learn_badly
+
+
+def engine_child(ckpt: str, port: int, corrupt: bool, queue) -> None:
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", REFIT_DISABLE_CPU_AMX="1")
+    import common.vllm_backend as backend
+    from common.vllm_host import _apply_report, _read_params
+
+    if corrupt:
+        backend.learn = _corrupting(backend.learn)
+    from vllm import LLM
+
+    llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True,
+              weight_transfer_config={"backend": "refit"}, **LLM_KWARGS)
+    llm.init_weight_transfer_engine({"init_info": {
+        "host": "127.0.0.1", "port": port, "world_size": 2, "num_trainers": 1,
+        "rank_offset": 1, "timeout_s": 60.0}})
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": 1}})
+    llm.finish_weight_update(weight_version="1")
+    queue.put({"report": llm.collective_rpc(_apply_report)[0],
+               "params": llm.collective_rpc(_read_params, args=(None,))[0]})
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "defective"])
+def test_the_map_is_checked_against_the_loaders_and_dropped_when_it_differs(tmp_path, corrupt):
+    from safetensors.torch import load_file
+
+    ckpt = initial_checkpoint(Case("qwen3", dp=2), tmp_path / "start")
+    state = {n: t * 1.5 for n, t in load_file(f"{ckpt}/model.safetensors").items()}
+    port, ctx = free_port(), mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=engine_child, args=(ckpt, port, corrupt, queue))
+    child.start()
+    try:
+        group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=2, num_trainers=1,
+                           timeout_s=60.0, device="cpu")
+        source = DictWeightSource(state)
+        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(),
+                                                          RefitConfig(bucket_bytes=16 << 10)))
+        sender.refit(source, 1)
+        got = queue.get(timeout=120)
+        group.destroy()
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    assert compare_params(got["params"], vllm_layout(state)) >= 4
+    report = got["report"]
+    if corrupt:
+        assert report["path"] == "load_weights", report
+        assert "differ" in report["map_rejected"] and "norm" in report["map_rejected"], report
+    else:
+        assert report["path"] == "direct" and report["verified"] >= 4, report
+        assert report["unreadable"] > 0, "CPU kernels empty the linear weights: counted"
