@@ -261,7 +261,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
     def _check_map(self, kept: dict[int, torch.Tensor]) -> None:
         """The map re-applies the learning refit's bytes; any difference drops it (and the
         bytes are loaded again through the loaders: the engine ends on their result)."""
-        who = self.receiver.group.who
+        t0, who = time.perf_counter(), self.receiver.group.who
 
         def redo(loaded: set[str]) -> None:
             _redo_cpu_moe_prepack(self._moe_layers, loaded)
@@ -273,7 +273,8 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         except Exception as e:  # noqa: BLE001 - reported as the reason the map is dropped
             why = f"re-applying failed: {type(e).__name__}: {e}"
         if why is None:
-            self.apply_report.update(verified=check.compared, unreadable=check.unreadable)
+            self.apply_report.update(verified=check.compared, unreadable=check.unreadable,
+                                     check_s=time.perf_counter() - t0)
             log.info("%s: load map checked: %d params bit for bit as the loaders left them "
                      "(%d filled params unreadable)", who, check.compared, check.unreadable)
             return
