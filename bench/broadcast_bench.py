@@ -219,7 +219,7 @@ def bench_pack(group: RefitGroup, shapes: Shapes, args: argparse.Namespace) -> d
         ((_, kernel),) = layout.kernels
         ptrs = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
         bits = int(np.bitwise_or.reduce(ptrs))
-        out["pack_kernel_gpu_only"] = timed(lambda: kernel.pack(ptrs, bits), args, device)
+        out["pack_kernel_gpu_only"] = timed(lambda: kernel.run(ptrs, bits), args, device)
     layouts.clear()
     items.clear()
     tensors.clear()  # at most ~3 copies of the data at once

@@ -344,15 +344,16 @@ class RefitReceiver(_Endpoint):
         if not header.checksummed:
             return None
         t0 = time.perf_counter()
-        got = checksum.crc32(target if bucket.direct else self.payload(bucket))
+        got = checksum.compute(target if bucket.direct else self.payload(bucket))
         stats.checksum_s += time.perf_counter() - t0
         if got == header.checksum:
             return None
         specs = self.plan.bucket_specs(bucket)
         return RefitError(f"{self.group.who}: refit v{header.version} bucket {bucket.index}/"
                           f"{len(self.plan.buckets)} arrived corrupted ({bucket.nbytes} bytes of "
-                          f"{specs[0].name!r}..{specs[-1].name!r}): CRC-32 {got:#010x}, the "
-                          f"sender's {header.checksum:#010x}; it was not loaded")
+                          f"{specs[0].name!r}..{specs[-1].name!r}): "
+                          f"{checksum.name(self.group.device)} {got:#010x}, the sender's "
+                          f"{header.checksum:#010x}; it was not loaded")
 
     def _run_on_done(self, on_done: Callable[[], None], stats: RefitStats,
                      error: BaseException | None) -> BaseException | None:

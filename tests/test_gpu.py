@@ -7,7 +7,7 @@ import torch
 
 from common.broadcast import RefitSender
 from common.config import RefitConfig
-from common.group import RefitGroup
+from common.group import RefitGroup, free_port
 from common.plan import RefitPlan
 from tests.multiproc import GatheringSource, expect_ok, run_ranks
 
@@ -185,3 +185,58 @@ def test_scatter_kernel_copies_every_run_bit_for_bit_and_refuses_a_misaligned_de
     assert sorted(k.unit for k, _ in copy._cuda_kernels(buf)) == [1, 2, 4, 8]
     with pytest.raises(RuntimeError, match="not aligned to its 8-byte copy unit"):
         copy.run(buf, bases + 1)
+
+
+def _reference_hash(payload: torch.Tensor) -> int:
+    """`common.hash_kernel`'s sum in plain torch int64 ops (words, then the tail bytes)."""
+    from common.hash_kernel import GOLDEN
+
+    whole = payload.numel() // 4
+    words = payload[: whole * 4].clone().view(torch.int32).to(torch.int64)
+    values = torch.cat([words, payload[whole * 4:].to(torch.int64)])
+    index = torch.arange(values.numel(), dtype=torch.int64, device=payload.device)
+    mult = ((index ^ (index >> 29)) * GOLDEN) | 1
+    return int(((values + 1) * mult).sum().item()) % (1 << 64)
+
+
+def test_cuda_checksum_covers_every_byte_and_its_position() -> None:
+    from common import checksum
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    base = torch.randint(0, 256, (1 << 22,), dtype=torch.uint8, device="cuda", generator=g)
+    for payload in (base, base[: (1 << 20) + 3], base[1: 70_001]):  # whole, tail, misaligned
+        value = checksum.compute(payload)
+        assert value == _reference_hash(payload.contiguous())
+        flipped = payload.clone()
+        flipped[-1] ^= 1
+        assert checksum.compute(flipped) != value, "the last byte flipped"
+        swapped = payload.clone()
+        swapped[[10, 4000]] = payload[[4000, 10]]
+        assert payload[10] != payload[4000] and checksum.compute(swapped) != value, "a swap"
+
+
+def test_a_cuda_refit_stamps_each_bucket_header_with_its_payload_hash() -> None:
+    """NCCL, world size 1 (the sender's side): checksum on, every bucket still in a buffer
+    carries the hash of the bytes it holds, computed on the device without a host sync."""
+    from common import checksum
+    from common.wire import HEADER_BYTES, Header
+
+    group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
+                       num_trainers=1, timeout_s=60)
+    try:
+        source = GatheringSource(model(1))
+        plan = RefitPlan.build(source.plan_specs(), RefitConfig(bucket_bytes=32 * MIB,
+                                                                checksum=True))
+        sender = RefitSender.setup(group, plan)
+        assert sender.checksums
+        sender.refit(source, 1)
+        torch.cuda.synchronize()
+        packed = [b for b in plan.buckets if not b.direct]
+        last = {b.index % sender.num_buffers: b for b in packed}.values()  # still in a buffer
+        assert len(last) == sender.num_buffers
+        for bucket in last:
+            header = Header.decode(sender.bucket_buffer(bucket)[:HEADER_BYTES].cpu())
+            assert header.bucket == bucket.index and header.checksummed
+            assert header.checksum == checksum.compute(sender.payload(bucket))
+    finally:
+        group.destroy()
