@@ -1,25 +1,29 @@
-"""A WeightSource over an FSDP2 / TP (DTensor) transformers model: one full tensor at a time.
+"""A WeightSource over FSDP2 / TP / HSDP / EP (DTensor) transformers models, whole or in stages.
 
-The specs are computed once, from metadata, the same way on every training rank, so listing
-them runs no collective. Each refit walks the plan in order; for a DTensor `full_tensor()` is
-an all-gather over its mesh, so EVERY training rank runs it, in plan order (the plan is the
-same everywhere), and only the source rank keeps the result. A fused expert tensor is gathered
-once and split per expert afterwards; at most one gathered tensor is alive here at a time (the
-broadcaster's buckets hold the rest), never the whole model.
+The specs are computed once, from metadata. A whole model (one module) lists them the same way
+on every rank with no collective; pipeline stages (a list of model parts) merge theirs with one
+metadata exchange (`dtensor_refit.stages`). Each refit walks the plan in order; for a DTensor
+`full_tensor()` is an all-gather over the mesh dimensions it is sharded on, so the ranks of the
+spec's source replica run it in plan order and the source keeps the result. Ranks whose
+coordinate on a replicated mesh dimension (HSDP's replicate dimension) differs from the
+source's, and ranks of other stages, run no gather at all: they yield None at once. A fused
+expert tensor is gathered once and split per expert afterwards; at most one gathered tensor is
+alive here at a time (the broadcaster's buckets hold the rest), never the whole model.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from common.plan import RefitPlan, TensorSpec
-from dtensor_refit.layout import model_entries
-from dtensor_refit.names import Entry, split_experts
+from common.plan import RefitPlan, TensorSpec, dtype_from_name, dtype_name
+from dtensor_refit import stages
+from dtensor_refit.layout import LayoutError, model_entries
+from dtensor_refit.names import Entry, hf_model, split_experts
 from dtensor_refit.policy import DtypePolicy
 
 log = logging.getLogger(__name__)
@@ -58,71 +62,207 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
         return full.wait() if isinstance(full, AsyncCollectiveTensor) else full
 
 
-class DTensorWeightSource:
-    """Weights of an HF transformers model sharded with FSDP2 and/or TP, in checkpoint form.
+def gathers_here(tensor: DTensor, source: int) -> bool:
+    """Whether this rank takes part in gathering `tensor` for `source` (a default-group rank).
 
-    `rank` is this process's refit rank (default: its default-group rank); every spec comes
-    from `source_rank` (training rank 0). `check_names=False` skips the cross-check against
-    transformers' save_pretrained mapping (for models that are not transformers models).
+    `full_tensor()` gathers only along the mesh dimensions the tensor is sharded on, among
+    ranks that share its coordinates on the replicated ones; the replica holding `source` is
+    the only one whose result is used. A mesh without `source` (another stage, or an implicit
+    replica such as one dp group per ep coordinate) gathers nothing either.
+    """
+    mesh = tensor.device_mesh
+    hit = (mesh.mesh == source).nonzero()
+    mine = mesh.get_coordinate()
+    if hit.numel() == 0 or mine is None:
+        return False
+    theirs = hit[0].tolist()
+    return all(s == m for s, m, p in zip(theirs, mine, tensor.placements, strict=True)
+               if p.is_replicate())
+
+
+def _part_ranks(part: torch.nn.Module, rank: int) -> tuple[int, ...]:
+    """The default-group ranks a model part's DTensor meshes span (its stage), with `rank`."""
+    ranks = {rank}
+    meshes: dict[int, object] = {}
+    for t in list(part.parameters()) + list(part.buffers()):
+        if isinstance(t, DTensor) and id(t.device_mesh) not in meshes:
+            meshes[id(t.device_mesh)] = t.device_mesh
+            ranks.update(int(r) for r in t.device_mesh.mesh.flatten().tolist())
+    return tuple(sorted(ranks))
+
+
+def _whole_model(part: torch.nn.Module, check: bool) -> dict[str, tuple[int, ...]] | None:
+    """The whole model's checkpoint layout (rebuilt on meta from a part's transformers config)."""
+    hf = hf_model(part)
+    if hf is None:
+        return None
+    try:
+        with torch.device("meta"):
+            whole = type(hf)(hf.config)
+    except Exception as e:  # noqa: BLE001 - then only layer gaps are checked
+        log.warning("could not rebuild %s on meta (%s): stages checked for layer gaps only",
+                    type(hf).__name__, e)
+        return None
+    return {n: s for e in model_entries(whole, check=check)
+            for n, s in zip(e.names, e.shapes, strict=True)}
+
+
+class DTensorWeightSource:
+    """Weights of an HF transformers model sharded with FSDP2 / HSDP / TP / EP, in checkpoint form.
+
+    `model` is the whole model, or the list of model parts (pipeline stages) this rank holds;
+    with parts, construct on every rank of `group` (default: the default group) at the same
+    time: one metadata exchange, waited at most `timeout_s` on gloo. Source ranks are then the
+    first rank of each tensor's stage, as default-group ranks: number the refit group's
+    training ranks the same way. A whole model is sent from `source_rank` (default 0).
+    `rank` is this process's refit rank (default: its default-group rank).
+    `check_names=False` skips the cross-check against transformers' save_pretrained mapping.
     """
 
-    def __init__(self, model: torch.nn.Module, policy: DtypePolicy | None = None, *,
-                 rank: int | None = None, source_rank: int = 0,
-                 check_names: bool = True) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module],
+                 policy: DtypePolicy | None = None, *, rank: int | None = None,
+                 source_rank: int | None = None, check_names: bool = True,
+                 group: dist.ProcessGroup | None = None, timeout_s: float = 300.0) -> None:
+        staged = not isinstance(model, torch.nn.Module)
+        self.parts: list[torch.nn.Module] = list(model) if staged else [model]
+        if not self.parts:
+            raise ValueError("DTensorWeightSource needs a model or at least one model part")
+        if staged and source_rank is not None:
+            raise ValueError("source_rank is for a whole model; stages send from their first rank")
+        if staged and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("model parts (pipeline stages) need torch.distributed initialised")
+        self.model = self.parts[0]
         self.policy = policy or DtypePolicy()
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.rank, self.source_rank = rank, source_rank
-        self.entries: list[Entry] = model_entries(model, check=check_names)
-        self._specs: list[TensorSpec] = []
+        self.rank = rank
+        self.source_rank = None if staged else (source_rank or 0)
+        self.entries: list[Entry] = []
+        self._part_of: list[int] = []
         self._where: dict[str, tuple[int, int]] = {}  # checkpoint name -> (entry, piece)
-        for i, entry in enumerate(self.entries):
-            dtype = _lookup(model, entry.key).dtype
-            for j, (name, shape) in enumerate(zip(entry.names, entry.shapes, strict=True)):
-                self._specs.append(TensorSpec(name, shape, self.policy.dtype_for(name, dtype),
-                                              source_rank))
-                self._where[name] = (i, j)
+        self._replica: dict[tuple[int, int], bool] = {}  # (entry, source) -> gathers here
+        if staged:
+            self._specs = self._merge_stages(group, timeout_s, check_names)
+        else:
+            self._specs = [TensorSpec(n, s, dtype_from_name(d), self.source_rank)
+                           for n, s, d in self._list_part(0, check_names)]
+        self._known = {s.name for s in self._specs}
 
     @property
     def is_source(self) -> bool:
         return self.rank == self.source_rank
 
+    def _list_part(self, p: int, check: bool) -> list[stages.Meta]:
+        """(name, shape, declared dtype) of part `p`'s tensors, from metadata; indexes them."""
+        part = self.parts[p]
+        out: list[stages.Meta] = []
+        for entry in model_entries(part, check=check):
+            i = len(self.entries)
+            self.entries.append(entry)
+            self._part_of.append(p)
+            dtype = _lookup(part, entry.key).dtype
+            for j, (name, shape) in enumerate(zip(entry.names, entry.shapes, strict=True)):
+                out.append((name, shape, dtype_name(self.policy.dtype_for(name, dtype))))
+                self._where.setdefault(name, (i, j))  # a name in two own parts: the first
+        return out
+
+    def _merge_stages(self, group: dist.ProcessGroup | None, timeout_s: float,
+                      check: bool) -> list[TensorSpec]:
+        """List own parts, exchange once, merge; every rank raises the same error if any fails."""
+        parts: list[tuple[stages.StageKey, tuple[stages.Meta, ...]]] = []
+        error, expected = None, None
+        try:
+            for p in range(len(self.parts)):
+                key = (_part_ranks(self.parts[p], dist.get_rank()), p)
+                parts.append((key, tuple(self._list_part(p, check))))
+            expected = _whole_model(self.parts[0], check)
+        except Exception as e:  # noqa: BLE001 - sent to every rank, raised everywhere
+            error = f"{type(e).__name__}: {e}"
+        self._keys = [k for k, _ in parts]
+        reports = stages.exchange(stages.Report(self.rank, tuple(parts), error), group,
+                                  timeout_s)
+        merged = stages.merge(reports)
+        stages.check_complete(merged.specs, expected)
+        if merged.overlaps:
+            digests, error = {}, None
+            try:
+                digests = self._overlap_digests(merged)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                error = f"rank {self.rank}: {type(e).__name__}: {e}"
+            answers = stages.exchange((digests, error), group, timeout_s)
+            if errors := [e for _, e in answers if e]:
+                raise LayoutError("checking tensors held by several stages failed: "
+                                  + "; ".join(errors))
+            stages.check_overlaps(merged, [d for d, _ in answers])
+            log.info("%d tensors held by several pipeline stages, sent once each",
+                     len(merged.overlaps))
+        return list(merged.specs)
+
+    def _overlap_digests(self, merged: stages.Merged) -> dict[tuple[str, stages.StageKey], str]:
+        """A value digest of each tensor several stages hold, per own stage (gathers in-stage)."""
+        out: dict[tuple[str, stages.StageKey], str] = {}
+        for spec in merged.specs:
+            holders = merged.overlaps.get(spec.name, ())
+            for p, key in enumerate(self._keys):
+                if key not in holders:
+                    continue
+                i = next(i for i, e in enumerate(self.entries)
+                         if self._part_of[i] == p and spec.name in e.names)
+                entry = self.entries[i]
+                full = _full(_lookup(self.parts[p], entry.key))
+                if entry.kind != "plain":
+                    full = list(split_experts(entry.kind, full))[entry.names.index(spec.name)]
+                out[(spec.name, key)] = stages.digest(full)
+        return out
+
     def plan_specs(self) -> list[TensorSpec]:
-        """Every checkpoint tensor; computed at construction from metadata, no collective."""
+        """Every checkpoint tensor of the whole model; computed at construction from metadata."""
         return list(self._specs)
+
+    def _take(self, i: int, source: int) -> torch.Tensor | None:
+        """Entry i's full tensor on `source`; a gather only on the ranks of the source replica."""
+        raw = _lookup(self.parts[self._part_of[i]], self.entries[i].key)
+        keep = self.rank == source
+        if not isinstance(raw, DTensor):
+            return raw.detach() if keep else None
+        here = self._replica.get((i, source))
+        if here is None:
+            here = self._replica[(i, source)] = gathers_here(raw, source)
+        if not here:
+            return None
+        full = _full(raw)  # a collective: every rank of the source's replica runs it
+        return full if keep else None  # off the source: gathered for the collective only
 
     def iter_tensors(self, plan: RefitPlan) -> Iterator[tuple[str, torch.Tensor | None]]:
         """(name, full tensor in the declared dtype) per plan spec, in plan order.
 
-        Runs the gathers on every rank; yields None off the source rank. A fused expert group
-        that is contiguous in the plan (as plan_specs lists it) is gathered once.
+        Yields None off each spec's source rank; another stage's tensor costs nothing here. A
+        fused expert group that is contiguous in the plan (as plan_specs lists it) is gathered
+        once.
         """
-        reshard_fsdp(self.model)
+        for part in self.parts:
+            reshard_fsdp(part)
         cached: tuple[int, list[torch.Tensor]] | None = None
         for spec in plan.specs:
             where = self._where.get(spec.name)
             if where is None:
-                raise KeyError(f"plan tensor {spec.name!r} is not a tensor of this model")
+                if spec.name not in self._known:
+                    raise KeyError(f"plan tensor {spec.name!r} is not a tensor of this model")
+                yield spec.name, None  # another stage's tensor
+                continue
             i, j = where
             entry = self.entries[i]
             tensor: torch.Tensor | None
             if entry.kind == "plain":
                 cached = None
-                raw = _lookup(self.model, entry.key)
-                if isinstance(raw, DTensor):
-                    tensor = _full(raw)  # a collective: every rank runs it
-                    if not self.is_source:
-                        tensor = None  # gathered for the collective only: free it now
-                else:
-                    tensor = raw.detach() if self.is_source else None
+                tensor = self._take(i, spec.source_rank)
             else:
                 if cached is None or cached[0] != i:
                     cached = None  # drop the previous fused tensor before gathering the next
-                    full = _full(_lookup(self.model, entry.key))
-                    cached = (i, list(split_experts(entry.kind, full)) if self.is_source else [])
+                    full = self._take(i, spec.source_rank)
+                    cached = (i, [] if full is None else list(split_experts(entry.kind, full)))
                     del full
-                tensor = cached[1][j] if self.is_source else None
+                tensor = cached[1][j] if cached[1] else None
             if tensor is not None and tensor.dtype != spec.dtype:
                 tensor = tensor.to(spec.dtype)
             yield spec.name, tensor

@@ -107,12 +107,10 @@ def _dcp_reference(model, case: Case, rank: int) -> dict | None:
 
 
 def refit_job(rank: int, world: int, ports: tuple[int, int], case: Case) -> dict | None:
-    from common.broadcast import RefitReceiver, RefitSender
+    from common.broadcast import RefitSender
     from common.config import RefitConfig
     from common.group import RefitGroup
     from common.plan import RefitPlan
-    from dtensor_refit import compare_with_checkpoint
-    from tests.multiproc import receive_all
 
     trainers = case.trainers
     if rank > trainers:
@@ -139,7 +137,18 @@ def refit_job(rank: int, world: int, ports: tuple[int, int], case: Case) -> dict
             return info
         finally:
             dist.destroy_process_group()
-    group = RefitGroup(host="127.0.0.1", port=ports[1], rank=rank, world_size=trainers + 1,
+    return receiver_side(rank, trainers, ports[1], case, config)
+
+
+def receiver_side(rank: int, trainers: int, port: int, case: Case, config) -> dict:
+    """The vLLM-side rank: vets the plan against the checkpoint, checks two refits exactly."""
+    from common.broadcast import RefitReceiver
+    from common.group import RefitGroup
+    from common.plan import RefitPlan
+    from dtensor_refit import compare_with_checkpoint
+    from tests.multiproc import receive_all
+
+    group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=trainers + 1,
                        num_trainers=trainers, device="cpu", timeout_s=config.timeout_s)
     headers: dict = {}
     want = saved(build_unsharded(case), _policy(case), headers)
