@@ -184,18 +184,33 @@ class EngineClient(ABC):
             raise EngineError(f"engine {self.name}: refit v{version} refused: not newer than "
                               f"v{self.version}, the version it holds")
 
-    def refit_async(self, version: int) -> Future:
-        """Start receiving refit `version` (call `pause` first); returns at once."""
-        self.check_refit(version)
+    def check_verify(self, version: int) -> None:
+        """Raise unless a verification of `version` can start now (none pending, and it is
+        the version the engine holds)."""
+        if self._refit is not None:
+            raise EngineError(f"engine {self.name}: refit v{self._refit[0]} is still pending")
+        if version != self.version:
+            raise EngineError(f"engine {self.name}: verify v{version} refused: the engine "
+                              f"holds v{self.version}")
+
+    def refit_async(self, version: int, verify: bool = False) -> Future:
+        """Start receiving refit `version` (call `pause` first); returns at once. `verify`:
+        the trainers resend the version the engine holds; each worker applies it and fails
+        the refit if a param it can read changed (it did not hold those bytes)."""
+        if verify:
+            self.check_verify(version)
+        else:
+            self.check_refit(version)
+        what = f"{'verify' if verify else 'refit'} v{version}"
         if not self.paused:
-            raise EngineError(f"engine {self.name}: refit v{version} refused: pause the engine "
-                              f"first (vLLM does not guard a weight update against requests)")
+            raise EngineError(f"engine {self.name}: {what} refused: pause the engine first "
+                              f"(vLLM does not guard a weight update against requests)")
 
         def refit() -> None:
             self._start()
-            self._update({"version": version}, self._join_timeout_s)
+            self._update({"version": version, "verify": verify}, self._join_timeout_s)
 
-        future = self._submit(f"refit v{version}", refit)
+        future = self._submit(what, refit)
         self._refit = (version, future)
         return future
 
@@ -270,16 +285,19 @@ class EngineFleet:
     def finish(self, version: int) -> None:
         _all(self.engines, lambda e: e.finish(version))
 
-    def refit(self, send: Callable[[], T], version: int, mode: PauseMode = "keep") -> T:
+    def refit(self, send: Callable[[], T], version: int, mode: PauseMode = "keep",
+              verify: bool = False) -> T:
         """Pause, receive while `send()` broadcasts (the sender's refit on training rank 0),
         finish and resume every engine; returns what `send` returned. A failure raises; an
         engine it left intact (no worker loaded a byte) is resumed and serves its last
-        version, the others stay paused and refuse to serve until a refit lands."""
+        version, the others stay paused and refuse to serve until a refit lands. `verify`:
+        `version` is the one the engines hold, resent to check it (`refit_async`)."""
         t0 = time.perf_counter()
-        _all(self.engines, lambda e: e.check_refit(version))  # before any engine pauses
+        check = EngineClient.check_verify if verify else EngineClient.check_refit
+        _all(self.engines, lambda e: check(e, version))  # before any engine pauses
         self.pause(mode)
         for engine in self.engines:
-            engine.refit_async(version)
+            engine.refit_async(version, verify)
         try:
             result = send()
         except BaseException:

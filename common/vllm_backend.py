@@ -46,7 +46,13 @@ from common.group import RefitGroup
 from common.load_map import CopyRecorder
 from common.plan import Bucket, RefitPlan, dtype_name
 from common.vllm_apply import DirectLoad, learn
-from common.vllm_map_check import check_map, keep_payload, reload_kept
+from common.vllm_map_check import (
+    changed_params,
+    check_map,
+    keep_payload,
+    readable_params,
+    reload_kept,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +75,7 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
     """The version (training step) this refit must carry; the trainers' headers are checked."""
 
     version: int
+    verify: bool = False  # `version` is the one this engine holds: fail if a param changes
 
 
 class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
@@ -168,10 +175,13 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
         if not self.in_update:
             raise RuntimeError("update_weights without start_weight_update")
-        version = update_info.version
-        if self.last_version is not None and version <= self.last_version:
+        version, verify = update_info.version, update_info.verify
+        if verify and self.last_version is not None and version != self.last_version:
+            raise ValueError(f"verify v{version}: this engine holds v{self.last_version}")
+        if not verify and self.last_version is not None and version <= self.last_version:
             raise ValueError(f"refit v{version} is not newer than v{self.last_version}, the "
                              f"version this engine already holds")
+        held = readable_params(self.model) if verify else None
         receiver, model, loaded = self.receiver, self.model, set()
         direct, recorder = self._pick_path()
         kept: dict[int, torch.Tensor] | None = {} if recorder and _verify_map() else None
@@ -204,6 +214,8 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                                    f"{missing[0]!r}")
             if recorder is not None:
                 self._learn(recorder, kept)
+            if held is not None:
+                self._check_unchanged(held, loaded, version)
 
         try:
             stats = receiver.receive(on_bucket, on_done=finalize, version=version)
@@ -221,6 +233,21 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         log.info("%s: refit v%d landed in %.1f ms via %s (wait %.1f ms, load %.1f ms)",
                  receiver.group.who, version, (time.perf_counter() - t0) * 1e3, path,
                  stats.wait_s * 1e3, stats.load_s * 1e3)
+
+    def _check_unchanged(self, held: dict[str, torch.Tensor], loaded: set[str],
+                         version: int) -> None:
+        """A verification: every readable param must be as it was before the resent bytes
+        were applied; the params no read can see (emptied by CPU kernels) are counted."""
+        differ = changed_params(self.model, held)
+        unreadable = len(loaded - held.keys())
+        self.apply_report["last_verify"] = {"version": version, "compared": len(held),
+                                            "unreadable": unreadable, "differ": len(differ)}
+        if differ:
+            raise RuntimeError(f"verify v{version}: {len(differ)} of {len(held)} readable "
+                               f"params differ from what the trainers sent, e.g. "
+                               f"{differ[:3]} ({unreadable} params cannot be read here)")
+        log.info("%s: verify v%d: %d readable params hold what the trainers sent (%d params "
+                 "cannot be read)", self.receiver.group.who, version, len(held), unreadable)
 
     def _pick_path(self) -> tuple[DirectLoad | None, CopyRecorder | None]:
         """The learned map to apply this refit with, or a recorder to learn it from this

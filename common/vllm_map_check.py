@@ -43,17 +43,24 @@ def keep_payload(items: list[tuple[str, torch.Tensor]], nbytes: int) -> torch.Te
 def check_map(direct: DirectLoad, model: torch.nn.Module, kept: dict[int, torch.Tensor],
               redo: Callable[[set[str]], None]) -> MapCheck:
     """Re-apply the kept buckets through `direct` over the loaders' result and compare."""
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.numel()}
+    before = readable_params(model)
     direct.begin(direct_only=True)
     loaded: set[str] = set()
     for index, payload in kept.items():
         loaded |= direct.load(index, [("", payload)], None)
     redo(loaded)
-    after = dict(model.named_parameters())
-    differ = [n for n, want in before.items()
-              if not _same_bits(after[n].detach(), want)]
-    unreadable = sum(1 for n in loaded if n in after and not after[n].numel())
-    return MapCheck(len(before), unreadable, differ)
+    return MapCheck(len(before), len(loaded - before.keys()), changed_params(model, before))
+
+
+def readable_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the params a read can see (CPU kernels empty some: those are left out)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.numel()}
+
+
+def changed_params(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
+    """The params of `before` whose bytes (or shape, dtype) are not what they were."""
+    now = dict(model.named_parameters())
+    return [n for n, was in before.items() if n not in now or not _same_bits(now[n].detach(), was)]
 
 
 def reload_kept(model: torch.nn.Module, plan: RefitPlan, kept: dict[int, torch.Tensor],

@@ -11,12 +11,15 @@ a complete refit lands.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from common.engine import LocalEngine
 from common.engine_client import EngineError
+from common.errors import RefitError
 from common.source import DictWeightSource
 from recipes.vllm_checks import compare_params, vllm_layout
 from tests.dtensor.shard import Case
@@ -106,3 +109,26 @@ def test_a_direct_refit_failing_midway_refuses_to_serve_until_one_lands(pair) ->
     trainer.refit(version + 1)
     _assert_same_engines(engines, state)
     assert engines[0].apply_reports()[0]["path"] == "direct"
+
+
+def test_verify_passes_on_the_weights_the_engines_hold_and_names_a_param_they_do_not(pair):
+    """verify: the trainer resends the version the engines hold; a norm weight changed on
+    the trainer's side since then fails it on both engines, naming that param."""
+    arch, trainer, engines, state = pair
+    if arch != "qwen3":
+        pytest.skip("one model is enough for the verification")
+    version = int(engines[0].weight_version())
+    send = lambda: trainer.sender.refit(trainer.source, version)  # noqa: E731
+    trainer.fleet.refit(send, version, verify=True)
+    for engine in engines:
+        (report,) = engine.apply_reports()
+        assert report["last_verify"]["differ"] == 0 and report["last_verify"]["compared"] >= 4
+        assert report["last_verify"]["unreadable"] > 0, report  # the CPU-packed linears
+    norm = next(n for n in state if n.endswith("norm.weight"))
+    state[norm] = state[norm] * 2
+    with pytest.raises(RefitError, match=f"(?s)verify v{version}: 1 of .*{re.escape(norm)}"):
+        trainer.fleet.refit(send, version, verify=True)
+    for engine in engines:
+        assert engine.failed is not None
+    trainer.refit(version + 1)  # a complete refit repairs them
+    _assert_same_engines(engines, state)
