@@ -88,6 +88,7 @@ def bench_model(name: str, root: Path, refits: int) -> dict:
         ranks = [1, 2]  # engine i is refit rank i + 1 (one worker each)
         apply = {r: [] for r in ranks}
         post = {r: [] for r in ranks}
+        split = []  # the direct engine's copies and vLLM's layer processing, per refit
         for version in range(1, refits + 1):
             for t in state.values():
                 t.add_(1)  # new bytes each refit (bf16: a different value)
@@ -95,6 +96,8 @@ def bench_model(name: str, root: Path, refits: int) -> dict:
             for r in ranks:
                 apply[r].append(stats.receivers[r]["load_s"])
                 post[r].append(stats.receivers[r]["post_s"])
+            if version > 1:
+                split.append(engines[0].apply_reports()[0]["last_refit"])
         (report,) = engines[0].apply_reports()
         trainer.group.destroy()
     finally:
@@ -108,6 +111,9 @@ def bench_model(name: str, root: Path, refits: int) -> dict:
             "direct_over_memcpy": _median(direct) / copy,
             "load_weights_over_memcpy": _median(loaders) / copy,
             "direct_post_over_memcpy": _median(post[1][1:]) / copy,
+            "direct_copies_over_memcpy": _median([x["copy_s"] for x in split]) / copy,
+            "direct_layer_processing_over_memcpy":
+                _median([x["process_s"] for x in split]) / copy,
             "learn_over_load_weights": learn / _median(loaders),
             "direct_share_bytes": report["direct_bytes"] / report["total_bytes"]}
 
@@ -182,7 +188,9 @@ def main() -> None:
         for name, r in result.items():
             print(f"{name}: {r['tensors']} tensors, {r['bytes'] / 1e6:.1f} MB; memcpy "
                   f"{r['memcpy_s'] * 1e3:.2f} ms; direct {_median(r['direct_s']) * 1e3:.1f} ms "
-                  f"({r['direct_over_memcpy']:.1f}x, post-processing "
+                  f"({r['direct_over_memcpy']:.1f}x: copies "
+                  f"{r['direct_copies_over_memcpy']:.1f}x, vLLM's layer processing "
+                  f"{r['direct_layer_processing_over_memcpy']:.1f}x, post-processing "
                   f"{r['direct_post_over_memcpy']:.1f}x); load_weights "
                   f"{_median(r['load_weights_s']) * 1e3:.1f} ms "
                   f"({r['load_weights_over_memcpy']:.1f}x); learning "

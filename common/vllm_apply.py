@@ -11,6 +11,7 @@ Tensors the map cannot express keep `load_weights`. Only vLLM processes import t
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -112,6 +113,7 @@ class DirectLoad:
         """Open vLLM's reload for the layers that need it (not the copy ones: they keep the
         serving tensors the runs write into, resolved by name now: a refit may replace them);
         `direct_only`: for the processed layers of the map alone (a re-apply, see `verify`)."""
+        self.times = {"copy_s": 0.0, "process_s": 0.0}  # this refit's, for the apply report
         opened = self.processed if direct_only else self.reloaded
         initialize_layerwise_reload(opened)
         for layer in opened.modules():
@@ -133,15 +135,18 @@ class DirectLoad:
             live = get_layer_tensors(layer)
             for i in self.dest_index[path]:
                 self.bases[i] = live[self.dests[i].name].data_ptr()
+        t0 = time.perf_counter()
         runs.copy.run(items[0][1], self.bases)
+        t1 = time.perf_counter()
         for path in runs.finishing:
             layer = self.modules[path]
             _layerwise_process(layer, LAYERWISE_INFO[layer])
+        self.times["copy_s"] += t1 - t0
+        self.times["process_s"] += time.perf_counter() - t1
         loaded = set(runs.loaded)
         if runs.fallback and fallback is not None:
             loaded |= fallback([items[i] for i in runs.fallback])
         return loaded
-
 
 
 def learn(model: torch.nn.Module, plan: RefitPlan, recorder: CopyRecorder) -> DirectLoad:

@@ -120,6 +120,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             self.apply_report = {"path": _apply_mode()}
         self._index = {spec.name: i for i, spec in enumerate(plan.specs)}
         self._moe_layers = _moe_layers(self.model)
+        self._loadable = _loadable(self.model)
         self._bucket_of = {plan.specs[b.start].name: b.index for b in plan.buckets
                            if b.stop > b.start}
         log.info("%s: joined with plan %s (%d tensors, %d buckets)", group.who,
@@ -209,7 +210,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             with watch:
                 finalize_layerwise_reload(model, self.model_config)
             _redo_cpu_moe_prepack(self._moe_layers, loaded)
-            if missing := sorted(_loadable(model) - loaded):
+            if missing := sorted(self._loadable - loaded):
                 raise RuntimeError(f"no value arrived for {len(missing)} param(s), e.g. "
                                    f"{missing[0]!r}")
             if recorder is not None:
@@ -229,6 +230,8 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                 except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
                     log.exception("closing the reload session of failed refit v%d", version)
         self.last_version, self.landed = version, True
+        if direct is not None:  # where the apply's time went: copies, vLLM's layer processing
+            self.apply_report["last_refit"] = {**direct.times, "post_s": stats.post_s}
         path = "direct" if direct is not None else "load_weights"
         log.info("%s: refit v%d landed in %.1f ms via %s (wait %.1f ms, load %.1f ms)",
                  receiver.group.who, version, (time.perf_counter() - t0) * 1e3, path,
