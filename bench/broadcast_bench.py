@@ -33,12 +33,12 @@ from forward_source import ForwardingSource
 from model_shapes import MODELS, Shapes, qwen3_shapes, scaled
 
 from common.broadcast import RefitReceiver, RefitSender, RefitStats, _Endpoint
+from common.bucket_check import BucketChecker
 from common.config import RefitConfig
 from common.group import RefitGroup, free_port
 from common.packing import BucketLayout, byte_view
 from common.plan import RefitPlan, TensorSpec, align_up
 from common.source import DictWeightSource, WeightSource
-from common.taker import BucketTaker
 
 # shape -> (tensor count, elements per bf16 tensor)
 SHAPES: dict[str, dict[str, tuple[int, int]]] = {
@@ -179,14 +179,14 @@ def bench_pack(group: RefitGroup, shapes: Shapes, args: argparse.Namespace) -> d
 
     # fresh name strings, as a source yields them (the plan's own would compare by identity)
     items = [(spec.name.encode().decode(), t) for spec, t in zip(specs, tensors, strict=True)]
-    native_checks = BucketTaker(plan, 0, device, "bench")  # what the sender runs
+    native_checks = BucketChecker(plan, 0, device, "bench")  # what the sender runs
     # its fallback: whole-list comparisons, then the pack's own reads
-    python_checks = BucketTaker(plan, 0, device, "bench", use_native=False)
+    python_checks = BucketChecker(plan, 0, device, "bench", use_native=False)
 
-    def refit_pack(taker: BucketTaker) -> None:
+    def refit_pack(checker: BucketChecker) -> None:
         it = iter(items)
         for b in plan.buckets:
-            part, ptrs = taker.take(it, b, 1)
+            part, ptrs = checker.take(it, b, 1)
             layouts[b.index].pack(part, ptrs)
 
     offsets, end = [], 0

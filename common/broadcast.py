@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from common import checksum, native
+from common.bucket_check import BucketChecker
 from common.errors import (
     NOTHING_LOADED,
     RefitAborted,
@@ -38,7 +39,6 @@ from common.packing import BucketLayout, byte_view
 from common.plan import Bucket, RefitPlan, align_up
 from common.source import WeightSource
 from common.stats import RefitStats
-from common.taker import BucketTaker
 from common.wire import HEADER_BYTES, STATUS_ABORT, STATUS_OK, Header
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class RefitSender(_Endpoint):
 
     def __init__(self, group: RefitGroup, plan: RefitPlan) -> None:
         super().__init__(group, plan)
-        self.taker = BucketTaker(plan, group.rank, group.device, group.who)
+        self.checker = BucketChecker(plan, group.rank, group.device, group.who)
         for bucket in plan.buckets:  # the first refit then runs at the speed of the others
             if bucket.source_rank == group.rank and not bucket.direct:
                 self.layouts[bucket.index].warm()
@@ -177,7 +177,7 @@ class RefitSender(_Endpoint):
             if it is not None:
                 t1 = time.perf_counter()
                 try:
-                    tensors, ptrs = self.taker.take(it, bucket, version)
+                    tensors, ptrs = self.checker.take(it, bucket, version)
                 except TensorMismatchError as e:
                     error = error or e
                 except Exception as e:  # noqa: BLE001 - the source is broken: stop iterating

@@ -1,4 +1,4 @@
-"""Take one bucket's tensors from a weight source and check them against the plan.
+"""Check one bucket's tensors from a weight source against the plan (names, dtypes, shapes).
 
 The check runs per bucket, not per tensor: a Python loop over 20,000 MoE tensors costs more
 than their broadcast on NVLink. One native pass over the bucket's (name, tensor) items
@@ -39,7 +39,7 @@ def check_tensor(spec: TensorSpec, name: str, tensor: torch.Tensor | None) -> st
     return None
 
 
-class BucketTaker:
+class BucketChecker:
     """Per training rank: the expected names, dtypes and shapes of the buckets it sends."""
 
     def __init__(self, plan: RefitPlan, rank: int, device: torch.device, who: str,
