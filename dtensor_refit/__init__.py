@@ -6,6 +6,10 @@ On every training rank, after `fully_shard` (and optionally `parallelize_module`
     sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
     sender.refit(source, version)   # every rank: gathers in plan order, rank 0 sends
 
+Pipeline stages: `DTensorWeightSource([stage_part, ...], policy)` on every rank at once (one
+metadata exchange); each stage's first rank sends its tensors. Replicas (HSDP) that do not hold
+a tensor's source rank run no gather.
+
 Optionally, before joining: `compare_with_checkpoint(source.plan_specs(),
 checkpoint_specs(base_model_dir))` lists every name / shape the engine's checkpoint disagrees on.
 """
