@@ -32,6 +32,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.model_loader.reload.layerwise import (
     LAYERWISE_INFO,
     finalize_layerwise_reload,
@@ -120,6 +121,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             self.apply_report = {"path": _apply_mode()}
         self._index = {spec.name: i for i, spec in enumerate(plan.specs)}
         self._moe_layers = _moe_layers(self.model)
+        self._tied = _tied_layers(self.model)
         self._loadable = _loadable(self.model)
         self._bucket_of = {plan.specs[b.start].name: b.index for b in plan.buckets
                            if b.stop > b.start}
@@ -209,7 +211,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             finalized = True
             with watch:
                 finalize_layerwise_reload(model, self.model_config)
-            _redo_cpu_moe_prepack(self._moe_layers, loaded)
+            self._after_load(loaded)
             if missing := sorted(self._loadable - loaded):
                 raise RuntimeError(f"no value arrived for {len(missing)} param(s), e.g. "
                                    f"{missing[0]!r}")
@@ -226,7 +228,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             if not finalized:  # the group failed mid-refit: close the reload session anyway
                 try:
                     finalize_layerwise_reload(model, self.model_config)
-                    _redo_cpu_moe_prepack(self._moe_layers, loaded)
+                    self._after_load(loaded)
                 except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
                     log.exception("closing the reload session of failed refit v%d", version)
         self.last_version, self.landed = version, True
@@ -251,6 +253,15 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                                f"{differ[:3]} ({unreadable} params cannot be read here)")
         log.info("%s: verify v%d: %d readable params hold what the trainers sent (%d params "
                  "cannot be read)", self.receiver.group.who, version, len(held), unreadable)
+
+    def _after_load(self, loaded: set[str]) -> None:
+        """What vLLM's in-place reload leaves stale: the CPU fused-MoE prepack, and the
+        kernels of layers whose weight is another layer's (a tied lm_head), for this refit's
+        loads only."""
+        _redo_cpu_moe_prepack(self._moe_layers, loaded)
+        for layer, aliases in self._tied:
+            if aliases & loaded:
+                layer.quant_method.process_weights_after_loading(layer)
 
     def _pick_path(self) -> tuple[DirectLoad | None, CopyRecorder | None]:
         """The learned map to apply this refit with, or a recorder to learn it from this
@@ -293,11 +304,8 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         bytes are loaded again through the loaders: the engine ends on their result)."""
         t0, who = time.perf_counter(), self.receiver.group.who
 
-        def redo(loaded: set[str]) -> None:
-            _redo_cpu_moe_prepack(self._moe_layers, loaded)
-
         try:
-            check = check_map(self.direct, self.model, kept, redo)
+            check = check_map(self.direct, self.model, kept, self._after_load)
             why = f"{len(check.differ)} param(s) differ, e.g. {check.differ[0]!r}" \
                 if check.differ else None
         except Exception as e:  # noqa: BLE001 - reported as the reason the map is dropped
@@ -312,7 +320,8 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                   "on load_weights", who, why)
         self.direct = None
         self.apply_report = {"path": "load_weights", "map_rejected": why}
-        reload_kept(self.model, self.receiver.plan, kept, self.model_config, redo)
+        reload_kept(self.model, self.receiver.plan, kept, self.model_config,
+                    self._after_load)
 
     def _load(self, items: list[tuple[str, torch.Tensor]],
               recorder: CopyRecorder | None = None) -> set[str]:
@@ -381,6 +390,24 @@ def _moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [(prefix, module) for prefix, module in model.named_modules()
             if getattr(module, "w13_weight", None) is not None
             and module.w13_weight.device.type == "cpu"]
+
+
+def _tied_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, set[str]]]:
+    """Layers with post-load processing whose param is loaded under another layer's name
+    (e.g. an lm_head tied to the embedding): the reload loads the other name only, so this
+    layer's processing (on CPU a prepacked copy of the weight) would go stale."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    tied = []
+    for prefix, module in model.named_modules():
+        if not isinstance(getattr(module, "quant_method", None), QuantizeMethodBase):
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            own = f"{prefix}.{pname}" if prefix else pname
+            if others := set(names.get(id(param), [])) - {own}:
+                tied.append((module, others))
+    return tied
 
 
 def _redo_cpu_moe_prepack(layers: list[tuple[str, torch.nn.Module]], loaded: set[str]) -> None:
