@@ -33,12 +33,12 @@ from common.errors import (
     RefitError,
     TensorMismatchError,
 )
-from common.group import RefitGroup
 from common.handshake import STATUS_BYTES, PlanCheck, agree_on_plan, decode_status, encode_status
 from common.packing import BucketLayout, byte_view
 from common.plan import Bucket, RefitPlan, align_up
 from common.source import WeightSource
 from common.stats import RefitStats
+from common.transport import Transport
 from common.wire import HEADER_BYTES, STATUS_ABORT, STATUS_OK, Header
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ BucketCallback = Callable[[list[tuple[str, torch.Tensor]]], None]
 class _Endpoint:
     """Buffers and the end-of-refit status exchange shared by sender and receiver."""
 
-    def __init__(self, group: RefitGroup, plan: RefitPlan) -> None:
+    def __init__(self, group: Transport, plan: RefitPlan) -> None:
         self.group, self.plan = group, plan
         self.num_buffers = plan.config.num_buffers
         self.checksums = plan.config.checksum and checksum.supported(group.device)
@@ -130,7 +130,7 @@ class _Endpoint:
 class RefitSender(_Endpoint):
     """Runs on every training rank; the plan's source ranks send, the others take part."""
 
-    def __init__(self, group: RefitGroup, plan: RefitPlan) -> None:
+    def __init__(self, group: Transport, plan: RefitPlan) -> None:
         super().__init__(group, plan)
         self.checker = BucketChecker(plan, group.rank, group.device, group.who)
         for bucket in plan.buckets:  # the first refit then runs at the speed of the others
@@ -138,7 +138,7 @@ class RefitSender(_Endpoint):
                 self.layouts[bucket.index].warm()
 
     @classmethod
-    def setup(cls, group: RefitGroup, plan: RefitPlan) -> RefitSender:
+    def setup(cls, group: Transport, plan: RefitPlan) -> RefitSender:
         if not group.is_trainer:
             raise ValueError(f"{group.who} is not a training rank; use RefitReceiver")
         native.load()  # a first build (~25 s) happens here, before the group waits on us
@@ -247,7 +247,7 @@ class RefitReceiver(_Endpoint):
     @classmethod
     def setup(
         cls,
-        group: RefitGroup,
+        group: Transport,
         plan: RefitPlan | None = None,
         check: PlanCheck | None = None,
     ) -> RefitReceiver:

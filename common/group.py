@@ -1,23 +1,19 @@
-"""A dedicated refit group: every training rank (0..T-1) then every inference rank (T..T+I-1).
+"""The refit group over gloo (CPU) or NCCL (CUDA): the default `Transport`.
 
 Built straight on a TCPStore and a backend object, so it can be created inside a process that
-already has a default group (torchrun) or vLLM's own groups, and never touches either. gloo on
-CPU, NCCL on CUDA; every collective has a timeout, and a failure raises `RefitCommError` naming
-this rank, its role and what it was doing. The first rank to fail posts an abort record in the
-group's store, which every waiting rank reads within `ABORT_POLL_S` (see `RefitGroup.wait`), so
-a death is felt everywhere in well under a second, not after the timeout. After a failure the
-group is dead: `destroy()` it and create a new one (a fresh `name`, or the same name once every
-old member has left).
+already has a default group (torchrun) or vLLM's own groups, and never touches either. Every
+collective has a timeout, and a failure raises `RefitCommError` naming this rank, its role and
+what it was doing; the abort record, the waits' deadline and the messages are the transport's
+(`common.transport`). After a failure the group is dead: `destroy()` it and create a new one
+(a fresh `name`, or the same name once every old member has left).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import random
-import re
 import socket
 import time
 from collections.abc import Iterator
@@ -28,7 +24,7 @@ import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
-from common.errors import RefitCommError
+from common.transport import ABORT_POLL_S, Abandoned, Transport
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +36,8 @@ _NCCL_ENV = {
 _POLL_S = 20e-6  # NCCL's own blocking wait sleeps 1 ms between polls: too coarse per bucket
 _GLOO_POLL_S = 5e-4  # the longest sleep between polls of a gloo work
 _BACKEND_GRACE_S = 30.0
-ABORT_POLL_S = 0.25  # how often a waiting rank looks for another rank's abort record
-_ABORT_KEY = "abort"
 # Collectives given up on, with their group, kept alive until their own timeout has passed.
 _ABANDONED: list[tuple[float, dist.Work, object]] = []
-
-
-class _Abandoned(Exception):
-    """Another rank's abort record (or the store's death) ended this rank's wait."""
 
 
 def _spin(work: dist.Work, seconds: float, longest_sleep_s: float) -> bool:
@@ -61,13 +51,6 @@ def _spin(work: dist.Work, seconds: float, longest_sleep_s: float) -> bool:
         time.sleep(nap)
         nap = min(nap * 2, longest_sleep_s)
     return True
-
-
-def _clean(error: BaseException) -> str:
-    """A backend's message without its source location and sign-off (gloo ends "GLHF!")."""
-    text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(error)).strip()
-    text = re.sub(r"\s*This is typically caused by.*$", "", text, flags=re.S)
-    return re.sub(r"\s*GLHF!?\s*\S*\s*$", "", text).strip()
 
 
 @contextlib.contextmanager
@@ -109,68 +92,30 @@ def _ephemeral_low() -> int:
         return 0
 
 
-class RefitGroup:
+class RefitGroup(Transport):
     """The refit group of this process. Rank 0 (the first training rank) hosts the TCPStore."""
 
-    def __init__(
-        self,
-        *,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        num_trainers: int,
-        timeout_s: float,
-        device: torch.device | str | None = None,
-        name: str = "refit",
-        rank_names: dict[int, str] | None = None,
-    ) -> None:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"refit group rank {rank} outside world size {world_size}")
-        if not 1 <= num_trainers <= world_size:
-            raise ValueError(f"num_trainers={num_trainers} must be in 1..world_size={world_size}")
-        self.rank, self.world_size, self.num_trainers = rank, world_size, num_trainers
-        self.timeout_s = float(timeout_s)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.name = name
-        self.aborted: str | None = None  # why this rank gave the group up, once it has
-        # Who holds which ranks (e.g. {2: "engine http://host:8000", ..}), named in failures.
-        self.rank_names = dict(rank_names or {})
-        timeout = timedelta(seconds=self.timeout_s)
+    def __init__(self, *, host: str, port: int, rank: int, world_size: int, num_trainers: int,
+                 timeout_s: float, device: torch.device | str | None = None,
+                 name: str = "refit", rank_names: dict[int, str] | None = None) -> None:
         t0 = time.perf_counter()
+        super().__init__(host=host, port=port, rank=rank, world_size=world_size,
+                         num_trainers=num_trainers, timeout_s=timeout_s, device=device,
+                         name=name, rank_names=rank_names)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=self.timeout_s)
         try:
-            self._store = dist.TCPStore(
-                host, port, world_size, is_master=rank == 0, timeout=timeout,
-                wait_for_workers=False,
-            )
-            store = dist.PrefixStore(f"refit/{name}/", self._store)
-            self._control = dist.PrefixStore(f"refit/{name}/control/", self._store)
             if self.backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 with _env(_NCCL_ENV):
-                    self._pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+                    self._pg = dist.ProcessGroupNCCL(self._data_store, rank, world_size, opts)
             else:
-                self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+                self._pg = dist.ProcessGroupGloo(self._data_store, rank, world_size, timeout)
         except Exception as e:  # noqa: BLE001 - rewrap with who/where
-            raise RefitCommError(
-                f"{self.who}: could not join refit group {name!r} at {host}:{port} "
-                f"within {self.timeout_s:.0f}s: {e}"
-            ) from e
+            raise self.join_error(e) from e
         log.info("%s joined refit group %r (%s, world %d) in %.2fs", self.who, name,
                  self.backend, world_size, time.perf_counter() - t0)
-
-    @property
-    def is_trainer(self) -> bool:
-        return self.rank < self.num_trainers
-
-    @property
-    def who(self) -> str:
-        role = "trainer" if self.is_trainer else "receiver"
-        return f"refit rank {self.rank}/{self.world_size} ({role})"
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> dist.Work:
         """Start an async broadcast of `tensor` from `src`; finish it with `wait`."""
@@ -185,39 +130,8 @@ class RefitGroup:
         wait (which says what expired) decides, and an abandoned op ends some time later."""
         return timedelta(seconds=self.timeout_s + _BACKEND_GRACE_S)
 
-    def wait(self, work: dist.Work, what: str) -> None:
-        """Finish `work` within the timeout or raise `RefitCommError` saying what it was.
-
-        While it waits, this rank looks for an abort record in the group's store every
-        `ABORT_POLL_S`: the first rank whose collective fails (or times out) writes one, so
-        every other rank gives up within that interval, whatever the timeout, and names the
-        rank that failed first. A store that stops answering (rank 0, its host, died) counts
-        as an abort. An abandoned collective is never reused: the group is dead afterwards.
-        """
-        if self.aborted is not None:
-            raise RefitCommError(f"{self.who}: {what} refused: the refit group was abandoned "
-                                 f"({self.aborted}); destroy and rebuild it")
-        t0 = time.monotonic()
-        try:
-            self._wait(work, t0 + self.timeout_s, what)
-        except _Abandoned as e:
-            self._abandon(work, str(e))
-            raise RefitCommError(f"{self.who}: {what} abandoned after "
-                                 f"{time.monotonic() - t0:.1f}s: {e}{self._members()}") from None
-        except Exception as e:  # noqa: BLE001 - rewrap with who/where, tell the others
-            cause = _clean(e) or type(e).__name__
-            earlier = self._read_abort()  # another rank's failure may be the root cause
-            self._abandon(work, cause)
-            if earlier is None:
-                self._post_abort(f"{what}: {cause}")
-            raise RefitCommError(
-                f"{self.who}: {what} failed after {time.monotonic() - t0:.1f}s "
-                f"(timeout {self.timeout_s:.0f}s; a peer probably died or left the refit"
-                f"{self._members()}): {cause}" + (f"; {earlier}" if earlier else "")
-            ) from e
-
-    def _wait(self, work: dist.Work, deadline: float, what: str) -> None:
-        """Wait in slices of `ABORT_POLL_S`, reading the abort record between them."""
+    def _wait_for(self, work: dist.Work, deadline: float) -> None:
+        """Poll in slices of `ABORT_POLL_S`, reading the abort record between them."""
         # NCCL kernels finish in microseconds; a gloo op on its thread in milliseconds.
         longest_sleep_s = _POLL_S if self.backend == "nccl" else _GLOO_POLL_S
         while True:
@@ -225,28 +139,10 @@ class RefitGroup:
             if _spin(work, min(ABORT_POLL_S, max(left, 0.0)), longest_sleep_s):
                 work.wait()  # raises the collective's own error, if any
                 return
-            if record := self._read_abort():
-                raise _Abandoned(record)
+            if record := self.read_abort():
+                raise Abandoned(record)
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"no completion within the refit timeout "
-                                   f"({self.timeout_s:.0f}s: RefitConfig.timeout_s)")
-
-    def _post_abort(self, cause: str) -> None:
-        """Write this rank's failure as the group's abort record, unless one is there."""
-        record = json.dumps({"who": self.who, "cause": cause})
-        with contextlib.suppress(Exception):  # a dead store: the others notice it themselves
-            self._control.compare_set(_ABORT_KEY, "", record)
-
-    def _read_abort(self) -> str | None:
-        """The first failure another rank posted, or the store's own death; else None."""
-        try:
-            if not self._control.check([_ABORT_KEY]):
-                return None
-            record = json.loads(self._control.get(_ABORT_KEY))
-        except Exception as e:  # noqa: BLE001 - the store's host died or left
-            return (f"the refit group's store stopped answering ({_clean(e)}): refit rank 0 "
-                    f"(trainer), which hosts it, probably died")
-        return f"{record['who']} failed first: {record['cause']}"
+                raise self.timed_out()
 
     def _abandon(self, work: dist.Work, why: str) -> None:
         """Keep what the collective still holds alive (its buffers may yet be written, and
@@ -259,28 +155,6 @@ class RefitGroup:
         if self.backend == "nccl" and self._pg is not None:
             with contextlib.suppress(Exception):
                 self._pg.abort()
-
-    def _members(self) -> str:
-        """The ranks of `rank_names` as runs (e.g. `; peers: ranks 2-3 engine X`), or ""."""
-        runs: list[list] = []
-        for rank in sorted(self.rank_names):
-            if runs and runs[-1][2] == self.rank_names[rank] and runs[-1][1] == rank - 1:
-                runs[-1][1] = rank
-            else:
-                runs.append([rank, rank, self.rank_names[rank]])
-        parts = [f"rank {a} {n}" if a == b else f"ranks {a}-{b} {n}" for a, b, n in runs]
-        return f"; peers: {', '.join(parts)}" if parts else ""
-
-    def broadcast_bytes(self, data: bytes | None, src: int, what: str) -> bytes:
-        """Broadcast a byte string of any length from `src` (two collectives: length, data)."""
-        length = torch.tensor([len(data) if data is not None else 0], device=self.device)
-        self.wait(self.broadcast(length, src), f"{what} (length)")
-        size = int(length.item())
-        buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-        if self.rank == src:
-            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self.wait(self.broadcast(buf, src), what)
-        return bytes(buf.cpu().numpy().tobytes())
 
     def all_gather_bytes(self, data: bytes, size: int, what: str) -> list[bytes]:
         """Every rank's `data` (truncated / zero-padded to `size` bytes), in rank order."""
@@ -301,4 +175,4 @@ class RefitGroup:
         if pg is not None and self.backend == "nccl":
             with contextlib.suppress(Exception):
                 pg.abort()
-        self._store = self._control = None
+        self._store = self._data_store = self._control = None

@@ -8,8 +8,8 @@ import json
 from collections.abc import Callable
 
 from common.errors import PlanMismatchError
-from common.group import RefitGroup
 from common.plan import RefitPlan
+from common.transport import Transport
 
 STATUS_BYTES = 480  # one rank's status record in the all-gather
 
@@ -34,7 +34,7 @@ def decode_status(raw: bytes) -> dict:
 
 
 def agree_on_plan(
-    group: RefitGroup, plan: RefitPlan | None, check: PlanCheck | None = None
+    group: Transport, plan: RefitPlan | None, check: PlanCheck | None = None
 ) -> RefitPlan:
     """Setup handshake: every rank ends with rank 0's plan, or every rank raises.
 

@@ -1,0 +1,187 @@
+"""What the refit protocol needs from the byte mover, and what every transport shares.
+
+`RefitSender` / `RefitReceiver` (and the plan handshake) use only this interface: who this
+rank is, `broadcast` a tensor from a source rank (asynchronous) and `wait` for it,
+`broadcast_bytes` / `all_gather_bytes` for the handshake and the end-of-refit status, and
+`destroy`. A transport supplies the byte moving (`broadcast`, `_wait_for`, `_abandon`); the
+control plane is shared: ranks 0..T-1 train, the others infer; rank 0 hosts a TCPStore that
+holds the group's abort record, which the first rank to fail writes and every waiting rank
+reads every `ABORT_POLL_S`, so a failure is felt everywhere in well under a second whatever
+the timeout; a store that stops answering (rank 0 died) counts as an abort. After a failure
+the transport is dead: destroy it and build a new one. Transports: `common.group.RefitGroup`
+(gloo / NCCL), `common.shm_transport.ShmTransport` (same-host shared memory, CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+from abc import ABC, abstractmethod
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from common.errors import RefitCommError
+
+ABORT_POLL_S = 0.25  # how often a waiting rank looks for another rank's abort record
+_ABORT_KEY = "abort"
+
+
+class Abandoned(Exception):
+    """Another rank's abort record (or the store's death) ended this rank's wait."""
+
+
+def clean(error: BaseException) -> str:
+    """A backend's message without its source location and sign-off (gloo ends "GLHF!")."""
+    text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(error)).strip()
+    text = re.sub(r"\s*This is typically caused by.*$", "", text, flags=re.S)
+    return re.sub(r"\s*GLHF!?\s*\S*\s*$", "", text).strip()
+
+
+class Transport(ABC):
+    """One rank of a refit group: the interface and the shared control plane (module doc)."""
+
+    def __init__(self, *, host: str, port: int, rank: int, world_size: int, num_trainers: int,
+                 timeout_s: float, device: torch.device | str | None = None,
+                 name: str = "refit", rank_names: dict[int, str] | None = None) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"refit group rank {rank} outside world size {world_size}")
+        if not 1 <= num_trainers <= world_size:
+            raise ValueError(f"num_trainers={num_trainers} must be in 1..world_size={world_size}")
+        self.rank, self.world_size, self.num_trainers = rank, world_size, num_trainers
+        self.timeout_s = float(timeout_s)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.name, self.host, self.port = name, host, port
+        self.aborted: str | None = None  # why this rank gave the group up, once it has
+        # Who holds which ranks (e.g. {2: "engine http://host:8000", ..}), named in failures.
+        self.rank_names = dict(rank_names or {})
+        try:
+            self._store = dist.TCPStore(host, port, world_size, is_master=rank == 0,
+                                        timeout=timedelta(seconds=self.timeout_s),
+                                        wait_for_workers=False)
+        except Exception as e:  # noqa: BLE001 - rewrap with who/where
+            raise self.join_error(e) from e
+        self._data_store = dist.PrefixStore(f"refit/{name}/", self._store)
+        self._control = dist.PrefixStore(f"refit/{name}/control/", self._store)
+
+    def join_error(self, e: BaseException) -> RefitCommError:
+        return RefitCommError(f"{self.who}: could not join refit group {self.name!r} at "
+                              f"{self.host}:{self.port} within {self.timeout_s:.0f}s: {e}")
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.rank < self.num_trainers
+
+    @property
+    def who(self) -> str:
+        role = "trainer" if self.is_trainer else "receiver"
+        return f"refit rank {self.rank}/{self.world_size} ({role})"
+
+    # --- what a transport supplies ---------------------------------------------------------
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
+        """Start broadcasting `tensor` from rank `src` (received into `tensor` elsewhere);
+        returns a handle for `wait`."""
+
+    @abstractmethod
+    def _wait_for(self, work: Any, deadline: float) -> None:
+        """Return once `work` is done; raise `Abandoned` if `_read_abort` says so, or
+        `TimeoutError` past `deadline` (time.monotonic()), polling at most every
+        `ABORT_POLL_S`."""
+
+    @abstractmethod
+    def _abandon(self, work: Any, why: str) -> None:
+        """Give up `work` for good (this transport is dead afterwards)."""
+
+    @abstractmethod
+    def destroy(self) -> None:
+        """Leave the group (after a failure, abort it); safe to call twice."""
+
+    # --- shared ----------------------------------------------------------------------------
+    def wait(self, work: Any, what: str) -> None:
+        """Finish `work` within the timeout or raise `RefitCommError` saying what it was,
+        how long it waited and which rank failed first (the abort record)."""
+        if self.aborted is not None:
+            raise RefitCommError(f"{self.who}: {what} refused: the refit group was abandoned "
+                                 f"({self.aborted}); destroy and rebuild it")
+        t0 = time.monotonic()
+        try:
+            self._wait_for(work, t0 + self.timeout_s)
+        except Abandoned as e:
+            self._abandon(work, str(e))
+            raise RefitCommError(f"{self.who}: {what} abandoned after "
+                                 f"{time.monotonic() - t0:.1f}s: {e}{self.members()}") from None
+        except Exception as e:  # noqa: BLE001 - rewrap with who/where, tell the others
+            cause = clean(e) or type(e).__name__
+            earlier = self.read_abort()  # another rank's failure may be the root cause
+            self._abandon(work, cause)
+            if earlier is None:
+                self.post_abort(f"{what}: {cause}")
+            raise RefitCommError(
+                f"{self.who}: {what} failed after {time.monotonic() - t0:.1f}s "
+                f"(timeout {self.timeout_s:.0f}s; a peer probably died or left the refit"
+                f"{self.members()}): {cause}" + (f"; {earlier}" if earlier else "")
+            ) from e
+
+    def timed_out(self) -> TimeoutError:
+        return TimeoutError(f"no completion within the refit timeout ({self.timeout_s:.0f}s: "
+                            f"RefitConfig.timeout_s)")
+
+    def post_abort(self, cause: str) -> None:
+        """Write this rank's failure as the group's abort record, unless one is there."""
+        record = json.dumps({"who": self.who, "cause": cause})
+        with contextlib.suppress(Exception):  # a dead store: the others notice it themselves
+            self._control.compare_set(_ABORT_KEY, "", record)
+
+    def read_abort(self) -> str | None:
+        """The first failure another rank posted, or the store's own death; else None."""
+        try:
+            if not self._control.check([_ABORT_KEY]):
+                return None
+            record = json.loads(self._control.get(_ABORT_KEY))
+        except Exception as e:  # noqa: BLE001 - the store's host died or left
+            return (f"the refit group's store stopped answering ({clean(e)}): refit rank 0 "
+                    f"(trainer), which hosts it, probably died")
+        return f"{record['who']} failed first: {record['cause']}"
+
+    def members(self) -> str:
+        """The ranks of `rank_names` as runs (e.g. `; peers: ranks 2-3 engine X`), or ""."""
+        runs: list[list] = []
+        for rank in sorted(self.rank_names):
+            if runs and runs[-1][2] == self.rank_names[rank] and runs[-1][1] == rank - 1:
+                runs[-1][1] = rank
+            else:
+                runs.append([rank, rank, self.rank_names[rank]])
+        parts = [f"rank {a} {n}" if a == b else f"ranks {a}-{b} {n}" for a, b, n in runs]
+        return f"; peers: {', '.join(parts)}" if parts else ""
+
+    def broadcast_bytes(self, data: bytes | None, src: int, what: str) -> bytes:
+        """Broadcast a byte string of any length from `src` (two broadcasts: length, data)."""
+        length = torch.tensor([len(data) if data is not None else 0], device=self.device)
+        self.wait(self.broadcast(length, src), f"{what} (length)")
+        size = int(length.item())
+        buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+        if self.rank == src:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.wait(self.broadcast(buf, src), what)
+        return bytes(buf.cpu().numpy().tobytes())
+
+    def all_gather_bytes(self, data: bytes, size: int, what: str) -> list[bytes]:
+        """Every rank's `data` (truncated / zero-padded to `size` bytes), in rank order: one
+        broadcast per rank (a transport with an all-gather overrides this)."""
+        out = []
+        for src in range(self.world_size):
+            buf = torch.zeros(size, dtype=torch.uint8)
+            if src == self.rank and data[:size]:
+                buf[: len(data[:size])] = torch.frombuffer(bytearray(data[:size]),
+                                                           dtype=torch.uint8)
+            buf = buf.to(self.device)
+            self.wait(self.broadcast(buf, src), f"{what} (rank {src})")
+            out.append(bytes(buf.cpu().numpy().tobytes()).rstrip(b"\0"))
+        return out
