@@ -4,14 +4,16 @@ Every rank issues the same broadcasts in the same order, so a sequence number na
 The source copies the tensor into a shared-memory segment named after the group and that
 number and publishes it in the group's store; each receiver, in `wait`, waits for the
 publication, copies the bytes out and acknowledges. The source unlinks a segment once every
-other rank has acknowledged it, and at most `MAX_IN_FLIGHT` of its segments wait for that
-(its `wait` holds it back), so memory stays bounded. While waiting, a rank also watches the
-processes it waits for: a dead peer fails the wait within `ABORT_POLL_S`, as does the abort
-record or a store that stops answering (see `common.transport`).
+other rank has acknowledged it (at the latest when it leaves), and at most `MAX_IN_FLIGHT` of
+its segments wait for that (its `wait` holds it back), so memory stays bounded. While
+waiting, a rank also watches the processes it waits for: a dead peer fails the wait within
+`ABORT_POLL_S`, as does the abort record or a store that stops answering
+(`common.transport`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
@@ -26,6 +28,7 @@ import torch
 from common.transport import ABORT_POLL_S, Abandoned, Transport
 
 MAX_IN_FLIGHT = 4  # a source's segments not yet read by every other rank
+LINGER_S = 10.0  # how long `destroy` waits for the peers to read this rank's last segments
 _LONGEST_SLEEP_S = 5e-4
 
 
@@ -145,6 +148,14 @@ class ShmTransport(Transport):
         self.aborted = why
 
     def destroy(self) -> None:
+        """Leave: first let the live peers read this rank's last segments (a peer may still
+        be reading the end-of-refit status), for at most `LINGER_S`, then unlink them."""
+        deadline = time.monotonic() + min(self.timeout_s, LINGER_S)
+        others = [r for r in range(self.world_size) if r != self.rank]
+        with contextlib.suppress(Exception):  # a dead store or peer: nobody is left to read
+            while (self.aborted is None and self._reap() and time.monotonic() < deadline
+                   and all(_alive(self._pids[r]) for r in others)):
+                time.sleep(_LONGEST_SLEEP_S)
         for seq in list(self._segments):
             self._unlink(seq)
         self._store = self._data_store = self._control = None

@@ -86,3 +86,14 @@ class GatheringSource(DictWeightSource):
     def iter_tensors(self, plan):
         for name, tensor in super().iter_tensors(plan):
             yield name, tensor.clone()
+
+
+def outcome(fn: Callable[[], Any]) -> tuple[str, str]:
+    """What a rank saw: ("ok", "") or the refit error's type name and message."""
+    from common.errors import RefitError
+
+    try:
+        fn()
+    except RefitError as e:
+        return type(e).__name__, str(e)
+    return "ok", ""

@@ -23,7 +23,7 @@ from common.errors import (
 from common.group import RefitGroup, free_port
 from common.plan import RefitPlan, TensorSpec
 from common.source import DictWeightSource
-from tests.multiproc import expect_ok, receive_all, run_ranks
+from tests.multiproc import expect_ok, outcome, receive_all, run_ranks
 
 TRAINERS = 2
 
@@ -41,14 +41,6 @@ def join(rank: int, world: int, port: int, timeout_s: float = 30, name: str = "r
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
                        device=device, num_trainers=TRAINERS, timeout_s=timeout_s, name=name)
     return config, group
-
-
-def outcome(fn) -> tuple[str, str]:
-    try:
-        fn()
-    except RefitError as e:
-        return type(e).__name__, str(e)
-    return "ok", ""
 
 
 def mismatch_rank(rank: int, world: int, port: int) -> tuple[str, str]:

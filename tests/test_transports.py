@@ -18,12 +18,11 @@ import torch
 
 from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
-from common.errors import RefitError
 from common.group import RefitGroup
 from common.plan import RefitPlan
 from common.shm_transport import ShmTransport
 from common.source import DictWeightSource
-from tests.multiproc import expect_ok, receive_all, run_ranks
+from tests.multiproc import expect_ok, outcome, receive_all, run_ranks
 
 TRANSPORTS = {"gloo": RefitGroup, "shm": ShmTransport}
 TRAINERS, WORLD, TIMEOUT_S, NOTICE_S = 2, 3, 60.0, 5.0
@@ -50,14 +49,6 @@ class _Drifted(DictWeightSource):
             yield name, (t.double() if t is not None and name == "layers.5.weight" else t)
 
 
-def _outcome(fn) -> tuple[str, str]:
-    try:
-        fn()
-    except RefitError as e:
-        return type(e).__name__, str(e)
-    return "ok", ""
-
-
 def conformance_rank(rank: int, world: int, port: int, kind: str) -> dict:
     transport, config = _join(kind, rank, world, port)
     out: dict = {}
@@ -68,7 +59,7 @@ def conformance_rank(rank: int, world: int, port: int, kind: str) -> dict:
         source.tensors = _weights(2)
         sender.refit(source, 2)
         bad = _Drifted(source.tensors) if rank == 0 else source  # rank 0 sends everything
-        out["abort"] = _outcome(lambda: sender.refit(bad, 3))
+        out["abort"] = outcome(lambda: sender.refit(bad, 3))
         source.tensors = _weights(4)
         sender.refit(source, 4)
     else:
@@ -77,7 +68,7 @@ def conformance_rank(rank: int, world: int, port: int, kind: str) -> dict:
             stats, got = receive_all(receiver)
             out[version] = stats.version == version and all(
                 torch.equal(got[n], t) for n, t in _weights(version).items())
-        out["abort"] = _outcome(lambda: receive_all(receiver))
+        out["abort"] = outcome(lambda: receive_all(receiver))
         stats, got = receive_all(receiver)
         out[4] = all(torch.equal(got[n], t) for n, t in _weights(4).items())
     transport.destroy()
@@ -99,7 +90,7 @@ def dying_receiver_rank(rank: int, world: int, port: int, kind: str) -> tuple:
     if transport.is_trainer:
         sender = RefitSender.setup(transport, RefitPlan.build(source.plan_specs(), config))
         t0 = time.monotonic()
-        kind_msg = _outcome(lambda: sender.refit(source, 1))
+        kind_msg = outcome(lambda: sender.refit(source, 1))
         return (*kind_msg, time.monotonic() - t0)
     receiver = RefitReceiver.setup(transport)
     calls = []

@@ -9,12 +9,11 @@ permutation as HF's `rope_interleave=True`, so every projection is a plain copy.
 from __future__ import annotations
 
 from mcore_refit.arch.llama import LLAMA
+from mcore_refit.arch.moe import moe_rules
 from mcore_refit.convert import Rule
 
 _A = "decoder.layers.{L}.self_attention."
-_M = "decoder.layers.{L}.mlp."
 _HA = "model.layers.{L}.self_attn."
-_HM = "model.layers.{L}.mlp."
 
 MLA_RULES = [
     Rule(_A + "linear_q_proj.weight", (_HA + "q_proj.weight",)),  # q_lora_rank=None
@@ -28,16 +27,5 @@ MLA_RULES = [
     Rule(_A + "linear_kv_up_proj.weight", (_HA + "kv_b_proj.weight",)),
 ]
 
-MOE_RULES = [
-    Rule(_M + "router.weight", (_HM + "gate.weight",)),
-    Rule(_M + "router.expert_bias", (_HM + "gate.e_score_correction_bias",), fp32=True),
-    Rule(_M + "experts.{E}.linear_fc1.weight",
-         (_HM + "experts.{E}.gate_proj.weight", _HM + "experts.{E}.up_proj.weight"), "gate_up"),
-    Rule(_M + "experts.{E}.linear_fc2.weight", (_HM + "experts.{E}.down_proj.weight",)),
-    Rule(_M + "shared_experts.linear_fc1.weight",
-         (_HM + "shared_experts.gate_proj.weight", _HM + "shared_experts.up_proj.weight"),
-         "gate_up"),
-    Rule(_M + "shared_experts.linear_fc2.weight", (_HM + "shared_experts.down_proj.weight",)),
-]
-
-DEEPSEEK_V3 = LLAMA.extend("deepseek_v3", MLA_RULES + MOE_RULES)
+DEEPSEEK_V3 = LLAMA.extend("deepseek_v3",
+                           MLA_RULES + moe_rules("shared_experts", shared_gate=False))
