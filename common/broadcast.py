@@ -27,13 +27,12 @@ import torch
 from common import checksum, native
 from common.bucket_check import BucketChecker
 from common.errors import (
-    NOTHING_LOADED,
     RefitAborted,
     RefitCommError,
     RefitError,
     TensorMismatchError,
 )
-from common.handshake import STATUS_BYTES, PlanCheck, agree_on_plan, decode_status, encode_status
+from common.handshake import PlanCheck, agree_on_plan, exchange_status
 from common.packing import BucketLayout, byte_view
 from common.plan import Bucket, RefitPlan, align_up
 from common.source import WeightSource
@@ -95,36 +94,7 @@ class _Endpoint:
 
     def finish(self, stats: RefitStats, error: BaseException | None, t0: float) -> RefitStats:
         """Exchange every rank's status; raise on every rank if any rank failed."""
-        if self.group.device.type == "cuda":
-            # This rank's own work on its stream (packs, header copies, the loader's copies);
-            # the collectives were waited. Not the whole device: the training job's other
-            # streams, or an aborted communicator's, are not the refit's to wait for.
-            torch.cuda.current_stream(self.group.device).synchronize()
-        stats.seconds = time.perf_counter() - t0  # this rank's work, sent to the others
-        mine = "" if error is None else f"{type(error).__name__}: {error}"
-        times = {"seconds": stats.seconds, "wait_s": stats.wait_s, "load_s": stats.load_s,
-                 "post_s": stats.post_s, "buckets_loaded": stats.buckets_loaded}
-        statuses = self.group.all_gather_bytes(encode_status(mine, times), STATUS_BYTES,
-                                               f"refit v{stats.version} status")
-        stats.seconds = time.perf_counter() - t0
-        records = {r: decode_status(s) for r, s in enumerate(statuses)}
-        failed = {r: rec["error"] for r, rec in records.items() if rec["error"]}
-        stats.receivers = {r: rec["times"] for r, rec in records.items()
-                           if r >= self.group.num_trainers and not rec["error"]}
-        untouched = all(rec["times"].get("buckets_loaded", 1) == 0
-                        for r, rec in records.items() if r >= self.group.num_trainers)
-        note = f"; {NOTHING_LOADED}" if untouched else ""
-        if error is not None:
-            if isinstance(error, RefitError):
-                raise type(error)(f"{error}{note}") from error
-            raise RefitError(f"{self.group.who}: refit v{stats.version} failed: {mine}"
-                             f"{note}") from error
-        if failed:
-            lines = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-            raise RefitAborted(f"{self.group.who}: refit v{stats.version} did not land "
-                               f"(failed on {sorted(failed)}): {lines}{note}")
-        log.info("%s %s", self.group.who, stats.summary())
-        return stats
+        return exchange_status(self.group, stats, error, t0)
 
 
 class RefitSender(_Endpoint):

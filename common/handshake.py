@@ -5,11 +5,18 @@ rank ends with rank 0's plan, or every rank raises) and the end-of-refit status 
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Callable
 
-from common.errors import PlanMismatchError
+import torch
+
+from common.errors import NOTHING_LOADED, PlanMismatchError, RefitAborted, RefitError
 from common.plan import RefitPlan
+from common.stats import RefitStats
 from common.transport import Transport
+
+log = logging.getLogger(__name__)
 
 STATUS_BYTES = 480  # one rank's status record in the all-gather
 
@@ -64,3 +71,39 @@ def agree_on_plan(
         raise PlanMismatchError(f"{group.who}: refit plan mismatch at setup: {lines}")
     group.timeout_s = theirs.config.timeout_s  # the join timeout covered the rendezvous
     return theirs
+
+
+def exchange_status(group: Transport, stats: RefitStats, error: BaseException | None,
+                    t0: float) -> RefitStats:
+    """Every rank's end-of-refit status (its error and timings) to every rank: raise on
+    every rank if any failed (noting when no receiver loaded a byte); else `stats` with each
+    receiver's timings."""
+    if group.device.type == "cuda":
+        # This rank's own work on its stream (packs, header copies, the loader's copies);
+        # the collectives were waited. Not the whole device: the training job's other
+        # streams, or an aborted communicator's, are not the refit's to wait for.
+        torch.cuda.current_stream(group.device).synchronize()
+    stats.seconds = time.perf_counter() - t0  # this rank's work, sent to the others
+    mine = "" if error is None else f"{type(error).__name__}: {error}"
+    times = {"seconds": stats.seconds, "wait_s": stats.wait_s, "load_s": stats.load_s,
+             "post_s": stats.post_s, "buckets_loaded": stats.buckets_loaded}
+    statuses = group.all_gather_bytes(encode_status(mine, times), STATUS_BYTES,
+                                      f"refit v{stats.version} status")
+    stats.seconds = time.perf_counter() - t0
+    records = {r: decode_status(s) for r, s in enumerate(statuses)}
+    failed = {r: rec["error"] for r, rec in records.items() if rec["error"]}
+    stats.receivers = {r: rec["times"] for r, rec in records.items()
+                       if r >= group.num_trainers and not rec["error"]}
+    untouched = all(rec["times"].get("buckets_loaded", 1) == 0
+                    for r, rec in records.items() if r >= group.num_trainers)
+    note = f"; {NOTHING_LOADED}" if untouched else ""
+    if error is not None:
+        if isinstance(error, RefitError):
+            raise type(error)(f"{error}{note}") from error
+        raise RefitError(f"{group.who}: refit v{stats.version} failed: {mine}{note}") from error
+    if failed:
+        lines = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+        raise RefitAborted(f"{group.who}: refit v{stats.version} did not land "
+                           f"(failed on {sorted(failed)}): {lines}{note}")
+    log.info("%s %s", group.who, stats.summary())
+    return stats
