@@ -19,8 +19,16 @@ from common.source import DictWeightSource
 
 KINDS = ("serve", "local")
 MAX_MODEL_LEN, KV_CACHE_BYTES = 128, 64 << 20
-LOCAL_LLM_KWARGS = {"kv_cache_memory_bytes": KV_CACHE_BYTES, "max_model_len": MAX_MODEL_LEN,
-                    "max_num_seqs": 4}
+
+
+def tiny_llm_kwargs(max_model_len: int = MAX_MODEL_LEN, max_num_seqs: int = 4) -> dict:
+    """vLLM settings of every tiny engine (recipes, tests, benchmarks): a fixed KV cache (on
+    CPU a memory fraction would reserve part of the NUMA node), short sequences."""
+    return {"kv_cache_memory_bytes": KV_CACHE_BYTES, "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs}
+
+
+LOCAL_LLM_KWARGS = tiny_llm_kwargs()
 
 
 @contextlib.contextmanager

@@ -20,12 +20,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
 
 from common.ray_cluster import RayLayout, TrainerActor  # noqa: E402
+from recipes.engines import tiny_llm_kwargs  # noqa: E402
 from recipes.mcore_models import MAX_POS, MICRO, MICROBATCHES, SEQ, VOCAB  # noqa: E402
 from recipes.megatron_refit import NEW_TOKENS, PROMPTS  # noqa: E402
 from recipes.ray_loop import Batches, main_loop, parser  # noqa: E402
 
 TRAINERS, PROMPT_LEN = 4, 6
-LLM_KWARGS = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": MAX_POS, "max_num_seqs": 8}
+LLM_KWARGS = tiny_llm_kwargs(MAX_POS, max_num_seqs=8)
 
 
 class MegatronTrainer(TrainerActor):

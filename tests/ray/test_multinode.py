@@ -64,6 +64,7 @@ def test_trainers_and_an_engine_on_different_nodes_refit(cluster, tmp_path) -> N
     from common.engine_client import EngineFleet
     from common.engine_config import EngineConfig
     from common.ray_engine import RayEngine
+    from recipes.engines import tiny_llm_kwargs
 
     make_model("qwen3", dtype=torch.bfloat16).save_pretrained(tmp_path / "v0")
     layout = RayLayout(trainers=2, trainer_resources={"trainer_node": 1},
@@ -77,8 +78,7 @@ def test_trainers_and_an_engine_on_different_nodes_refit(cluster, tmp_path) -> N
         assert engine_ips == {"127.0.0.2"} and "127.0.0.2" not in trainer_ips, (
             trainer_ips, engine_ips)
         trainers = start_trainers(CheckpointTrainer, placement, str(tmp_path / "v0"), 1.5)
-        config = EngineConfig(model=str(tmp_path / "v0"), llm_kwargs={
-            "kv_cache_memory_bytes": 64 << 20, "max_model_len": 64, "max_num_seqs": 4})
+        config = EngineConfig(model=str(tmp_path / "v0"), llm_kwargs=tiny_llm_kwargs(64))
         engine = RayEngine.start(config, name="engine@127.0.0.2", **placement.engine_options(0))
         fleet = EngineFleet([engine])
         host, port = cluster.get(trainers.actors[0].address.remote(), timeout=TIMEOUT_S)

@@ -9,10 +9,14 @@ import torch
 from common.engine import LocalEngine
 from common.engine_config import EngineConfig
 from common.source import DictWeightSource
-from recipes.engines import OneTrainer, join_one_trainer  # noqa: F401 - the tests' trainer
+from recipes.engines import (  # noqa: F401 - the tests' trainer
+    OneTrainer,
+    join_one_trainer,
+    tiny_llm_kwargs,
+)
 from recipes.vllm_checks import vllm_layout
 
-LLM_KWARGS = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 64, "max_num_seqs": 4}
+LLM_KWARGS = tiny_llm_kwargs(64)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 20, 30, 40]]
 
 
