@@ -8,6 +8,7 @@ global name space, so the source rewrites names here before any rule sees them.
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import torch
 
@@ -80,15 +81,26 @@ def section(name: str) -> int:
 _GROUPED = re.compile(r"\.mlp\.experts\.weight([12])$")
 
 
-def grouped_slots(
-    name: str, tensor: torch.Tensor, num_local: int
-) -> list[tuple[str, int, torch.Tensor, int, int]] | None:
+class LocalTensor(NamedTuple):
+    """One Megatron tensor of this rank as the source lists it: its canonical name (an `{E}`
+    template for an expert slot), global layer, local expert slot, and how TP splits it."""
+
+    name: str
+    layer: int
+    slot: int | None
+    tensor: torch.Tensor
+    is_tp: bool
+    dim: int  # partition dim
+    stride: int  # partition stride
+
+
+def grouped_slots(name: str, tensor: torch.Tensor, num_local: int) -> list[LocalTensor] | None:
     """Legacy GroupedMLP `experts.weight1/2` as per-slot views in local-spec layout.
 
     GroupedMLP's forward reads `weight1.view(n_local, H, -1)[i]` as expert i's `x @ W` matrix
     (the raw memory, not a column split) and `weight2.view(n_local, -1, H)[i]`; transposed,
     these are exactly the local spec's ETP shards: fc1 rows `[gate_r; up_r]` (dim 0, stride 2),
-    fc2 `[H, I_r]` (dim 1). Returns (template with `{E}`, slot, view, dim, stride) per slot.
+    fc2 `[H, I_r]` (dim 1). One entry per slot (layer -1: the caller globalises it).
     """
     m = _GROUPED.search(name)
     if m is None:
@@ -97,6 +109,8 @@ def grouped_slots(
     t = tensor.detach()
     if m.group(1) == "1":
         views = t.view(num_local, t.shape[0], -1).transpose(1, 2)
-        return [(prefix + "linear_fc1.weight", i, views[i], 0, 2) for i in range(num_local)]
+        return [LocalTensor(prefix + "linear_fc1.weight", -1, i, views[i], True, 0, 2)
+                for i in range(num_local)]
     views = t.view(num_local, -1, t.shape[1]).transpose(1, 2)
-    return [(prefix + "linear_fc2.weight", i, views[i], 1, 1) for i in range(num_local)]
+    return [LocalTensor(prefix + "linear_fc2.weight", -1, i, views[i], True, 1, 1)
+            for i in range(num_local)]

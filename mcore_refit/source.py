@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,14 @@ from common.plan import RefitPlan, TensorSpec
 from mcore_refit import names
 from mcore_refit.convert import Converter, Dims, Target
 from mcore_refit.gather import gather_experts, gather_partitioned
+
+
+class _Where(NamedTuple):
+    """Where an HF tensor comes from: unit index, member (expert) index, target index."""
+
+    unit: int
+    member: int
+    target: int
 
 
 @dataclass
@@ -96,18 +105,18 @@ class MegatronWeightSource:
                 units.append(unit)
         units.sort(key=lambda u: u.order)
         self.units = units
-        self._where: dict[str, tuple[int, int, int]] = {}
-        for ui, unit in enumerate(units):
-            for mi, member in enumerate(unit.targets):
-                for ti, target in enumerate(member):
+        self._where: dict[str, _Where] = {}
+        for u, unit in enumerate(units):
+            for m, member in enumerate(unit.targets):
+                for t, target in enumerate(member):
                     if target.name in self._where:
                         raise ValueError(f"two Megatron tensors map to {target.name!r}")
-                    self._where[target.name] = (ui, mi, ti)
+                    self._where[target.name] = _Where(u, m, t)
 
     # --- metadata -----------------------------------------------------------------------
-    def _entries(self, wrapped: torch.nn.Module, model: torch.nn.Module, slots: int
-                 ) -> Iterator[tuple[str, str, int, int | None, torch.Tensor, bool, int, int]]:
-        """(raw, canonical name or {E} template, layer, slot, tensor, is_tp, dim, stride)."""
+    def _entries(self, wrapped: torch.nn.Module, model: torch.nn.Module,
+                 slots: int) -> Iterator[names.LocalTensor]:
+        """This chunk's tensors that convert to HF ones (rotary tables etc. left out)."""
         offsets = names.layer_offsets(model)
         tensors = [(n, p, True) for n, p in wrapped.named_parameters()]
         tensors += [(n, b, False) for n, b in wrapped.named_buffers()]
@@ -118,8 +127,7 @@ class MegatronWeightSource:
             name, layer = names.globalize_layer(name, offsets)
             grouped = names.grouped_slots(name, tensor, slots)
             if grouped is not None:
-                for template, slot, view, dim, stride in grouped:
-                    yield raw, template, layer, slot, view, True, dim, stride
+                yield from (entry._replace(layer=layer) for entry in grouped)
                 continue
             found = names.expert_slot(name)
             probe = found[0].format(E=0) if found else name
@@ -132,7 +140,7 @@ class MegatronWeightSource:
             dim = int(getattr(tensor, "partition_dim", 0)) if is_tp else 0
             stride = int(getattr(tensor, "partition_stride", 1)) if is_tp else 1
             name, slot = found if found else (name, None)
-            yield raw, name, layer, slot, tensor, is_tp, dim, stride
+            yield names.LocalTensor(name, layer, slot, tensor, is_tp, dim, stride)
 
     def _local_units(self, chunks: list[torch.nn.Module],
                      inner: list[torch.nn.Module]) -> list[_Unit]:
@@ -143,7 +151,7 @@ class MegatronWeightSource:
         units: list[_Unit] = []
         seen: set[tuple[str, int | None]] = set()
         for wrapped, model in zip(chunks, inner, strict=True):
-            for _, name, layer, slot, tensor, is_tp, dim, stride in self._entries(
+            for name, layer, slot, tensor, is_tp, dim, stride in self._entries(
                     wrapped, model, slots):
                 if (name, slot) in seen:  # shared / tied parameters appear once
                     continue
@@ -185,18 +193,18 @@ class MegatronWeightSource:
             group = ps.get_expert_tensor_parallel_group() if unit.tp else None
             full = gather_partitioned(local, group, unit.dim, unit.stride) if unit.tp else local
             fulls = gather_experts(full, ps.get_expert_model_parallel_group())
-            names_ = [unit.name.format(E=e) for e in unit.expert_ids]
+            canonical = [unit.name.format(E=e) for e in unit.expert_ids]
         else:
             if not self.dense_active:
                 return None
             if unit.tp:
                 local = gather_partitioned(local, ps.get_tensor_model_parallel_group(),
                                            unit.dim, unit.stride)
-            fulls, names_ = [local], [unit.name]
+            fulls, canonical = [local], [unit.name]
         if self.rank != self.first_rank[unit.stage]:
             return None
         out = []
-        for name, full, member in zip(names_, fulls, unit.targets, strict=True):
+        for name, full, member in zip(canonical, fulls, unit.targets, strict=True):
             pieces = self.converter.convert(name, full, self.dims)
             out.append([p.to(torch.float32 if t.fp32 else self.dtype)
                         for p, t in zip(pieces, member, strict=True)])
@@ -210,12 +218,13 @@ class MegatronWeightSource:
         cache: dict[int, list[list[torch.Tensor]] | None] = {}
         left: dict[int, int] = {}
         for spec in plan.specs:
-            ui, mi, ti = self._where[spec.name]
-            if ui not in cache:
-                cache[ui] = self._materialise(self.units[ui])
-                left[ui] = sum(len(m) for m in self.units[ui].targets)
-            outputs = cache[ui]
-            yield spec.name, None if outputs is None else outputs[mi][ti]
-            left[ui] -= 1
-            if left[ui] == 0:
-                del cache[ui]
+            where = self._where[spec.name]
+            u = where.unit
+            if u not in cache:
+                cache[u] = self._materialise(self.units[u])
+                left[u] = sum(len(m) for m in self.units[u].targets)
+            outputs = cache[u]
+            yield spec.name, None if outputs is None else outputs[where.member][where.target]
+            left[u] -= 1
+            if left[u] == 0:
+                del cache[u]
