@@ -3,9 +3,9 @@
 An architecture is a table of `Rule`s: a canonical Megatron name pattern (wrapper prefixes
 stripped, stage-local layer indices made global, local expert slots made global expert ids),
 the HF checkpoint names it becomes, and how the full (already gathered) tensor is cut. Keeping
-the layout knowledge in a handful of named cuts (`copy`, `qkv`, `gate_up`, `vocab`) means a new
-architecture is a short table, and the same cut computes shapes for the plan (from metadata)
-and tensors for the refit, so the two can never disagree.
+the layout knowledge in a handful of named cuts (`whole`, `qkv`, `gate_up`, `trim_vocab`) means
+a new architecture is a short table; the plan's shapes are the same cut run on meta tensors,
+so shapes and tensors can never disagree.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-Cut = Literal["copy", "qkv", "gate_up", "vocab"]
+Cut = Literal["whole", "qkv", "gate_up", "trim_vocab"]  # trim_vocab: drop padding rows
 
 
 @dataclass(frozen=True)
@@ -34,14 +34,14 @@ class Dims:
 class Rule:
     """`pattern` (with `{L}` layer / `{E}` expert fields) becomes `targets` via `cut`.
 
-    `fp32=True` declares the output fp32 whatever the refit dtype is (router expert bias: a
-    bf16 bias routes tokens to the wrong experts). An empty `targets` skips the tensor.
+    `keep_fp32=True` declares the output fp32 whatever the refit dtype is (router expert bias:
+    a bf16 bias routes tokens to the wrong experts). An empty `targets` skips the tensor.
     """
 
     pattern: str
     targets: tuple[str, ...]
-    cut: Cut = "copy"
-    fp32: bool = False
+    cut: Cut = "whole"
+    keep_fp32: bool = False
 
     def regex(self) -> re.Pattern[str]:
         body = re.escape(self.pattern).replace(r"\{L\}", r"(?P<L>\d+)")
@@ -54,33 +54,25 @@ def _qkv_sizes(d: Dims) -> list[int]:
 
 
 def cut_shapes(cut: Cut, shape: tuple[int, ...], d: Dims) -> list[tuple[int, ...]]:
-    """Shapes the cut produces from a full Megatron tensor of `shape` (no data needed)."""
-    rest = tuple(shape[1:])
-    if cut == "copy":
-        return [tuple(shape)]
-    if cut == "vocab":
-        return [(d.vocab_size, *rest)]
-    if cut == "gate_up":
-        if shape[0] % 2:
-            raise ValueError(f"gated fc1 with odd rows {shape}")
-        return [(shape[0] // 2, *rest)] * 2
-    if cut == "qkv":
-        if sum(_qkv_sizes(d)) != shape[0]:
-            raise ValueError(f"fused qkv rows {shape[0]} do not match {d}")
-        return [(n, *rest) for n in _qkv_sizes(d)]
-    raise ValueError(f"unknown cut {cut!r}")
+    """Shapes the cut produces from a full Megatron tensor of `shape`: the cut itself, run on
+    a meta tensor (no data)."""
+    return [tuple(t.shape) for t in cut_tensor(cut, torch.empty(shape, device="meta"), d)]
 
 
 def cut_tensor(cut: Cut, full: torch.Tensor, d: Dims) -> list[torch.Tensor]:
     """Cut the full (gathered, stride-resolved) Megatron tensor into the HF tensors."""
-    if cut == "copy":
+    if cut == "whole":
         return [full]
-    if cut == "vocab":
+    if cut == "trim_vocab":
         return [full[: d.vocab_size]]
     if cut == "gate_up":
         # Full fc1 is [gate; up] once the stride-2 TP shards are resolved by the gather.
+        if full.shape[0] % 2:
+            raise ValueError(f"gated fc1 with odd rows {tuple(full.shape)}")
         return list(full.chunk(2, dim=0))
     if cut == "qkv":
+        if sum(_qkv_sizes(d)) != full.shape[0]:
+            raise ValueError(f"fused qkv rows {full.shape[0]} do not match {d}")
         # Per query group: [q heads of the group, k, v]; de-interleave by group.
         groups, per = d.num_query_groups, d.num_heads // d.num_query_groups
         rest = full.shape[1:]
@@ -96,7 +88,7 @@ class Target:
 
     name: str
     shape: tuple[int, ...]
-    fp32: bool
+    keep_fp32: bool
 
 
 class Converter:
@@ -132,8 +124,8 @@ class Converter:
         if len(shapes) != len(rule.targets):
             raise ValueError(f"{mcore_name}: cut {rule.cut} gives {len(shapes)} tensors, "
                              f"rule names {len(rule.targets)}")
-        return [Target(t.format(**fields), s, rule.fp32) for t, s in zip(rule.targets, shapes,
-                                                                         strict=True)]
+        return [Target(t.format(**fields), s, rule.keep_fp32)
+                for t, s in zip(rule.targets, shapes, strict=True)]
 
     def convert(self, mcore_name: str, full: torch.Tensor, d: Dims) -> list[torch.Tensor]:
         rule, _ = self._rule(mcore_name)

@@ -177,7 +177,7 @@ class MegatronWeightSource:
             source = self.first_rank[unit.stage]
             for member in unit.targets:
                 for t in member:
-                    dtype = torch.float32 if t.fp32 else self.dtype
+                    dtype = torch.float32 if t.keep_fp32 else self.dtype
                     specs.append(TensorSpec(t.name, t.shape, dtype, source))
         return specs
 
@@ -206,7 +206,7 @@ class MegatronWeightSource:
         out = []
         for name, full, member in zip(canonical, fulls, unit.targets, strict=True):
             pieces = self.converter.convert(name, full, self.dims)
-            out.append([p.to(torch.float32 if t.fp32 else self.dtype)
+            out.append([p.to(torch.float32 if t.keep_fp32 else self.dtype)
                         for p, t in zip(pieces, member, strict=True)])
         return out
 

@@ -9,7 +9,7 @@ _M = "decoder.layers.{L}.mlp."
 _H = "model.layers.{L}."
 
 RULES = [
-    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "trim_vocab"),
     Rule("decoder.layers.{L}.input_layernorm.weight", (_H + "input_layernorm.weight",)),
     # Transformer-Engine specs fuse the norms into the following linear.
     Rule(_A + "linear_qkv.layer_norm_weight", (_H + "input_layernorm.weight",)),
@@ -22,7 +22,7 @@ RULES = [
          "gate_up"),
     Rule(_M + "linear_fc2.weight", (_H + "mlp.down_proj.weight",)),
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    Rule("output_layer.weight", ("lm_head.weight",), "vocab"),
+    Rule("output_layer.weight", ("lm_head.weight",), "trim_vocab"),
 ]
 
 LLAMA = Converter("llama", RULES)

@@ -48,8 +48,8 @@ def test_unknown_parameter_is_an_error() -> None:
 
 
 @pytest.mark.parametrize("cut,shape", [("qkv", (48, 16)), ("qkv", (48,)),
-                                       ("gate_up", (20, 16)), ("vocab", (16, 8)),
-                                       ("copy", (3, 5))])
+                                       ("gate_up", (20, 16)), ("trim_vocab", (16, 8)),
+                                       ("whole", (3, 5))])
 def test_cut_shapes_agree_with_cut_tensors(cut: str, shape: tuple[int, ...]) -> None:
     full = torch.randn(shape)
     assert [tuple(t.shape) for t in cut_tensor(cut, full, DIMS)] == cut_shapes(cut, shape, DIMS)
