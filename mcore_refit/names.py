@@ -24,7 +24,8 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def strip_wrappers(name: str) -> str:
+def strip_module_prefixes(name: str) -> str:
+    """`module.module.x` (DDP, Float16Module) -> `x`."""
     while name.startswith("module."):
         name = name[len("module."):]
     return name

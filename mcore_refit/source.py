@@ -121,7 +121,7 @@ class MegatronWeightSource:
         tensors = [(n, p, True) for n, p in wrapped.named_parameters()]
         tensors += [(n, b, False) for n, b in wrapped.named_buffers()]
         for raw, tensor, is_param in tensors:
-            name = names.strip_wrappers(raw)
+            name = names.strip_module_prefixes(raw)
             if names.skipped(name) or (self.tied and name == "output_layer.weight"):
                 continue
             name, layer = names.globalize_layer(name, offsets)

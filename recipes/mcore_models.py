@@ -216,7 +216,7 @@ def randomise(chunks: list[torch.nn.Module], seed: int) -> None:
         items = list(chunk.named_parameters()) + [
             (n, b) for n, b in chunk.named_buffers() if n.endswith("expert_bias")]
         for raw, t in items:
-            name, _ = names.globalize_layer(names.strip_wrappers(raw), offsets)
+            name, _ = names.globalize_layer(names.strip_module_prefixes(raw), offsets)
             slot = names.expert_slot(name)
             shard = 0
             if getattr(t, "tensor_model_parallel", False):

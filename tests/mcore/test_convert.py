@@ -36,7 +36,7 @@ def test_skips_and_wrappers() -> None:
     assert names.skipped("decoder.layers.0.self_attention.linear_qkv._extra_state")
     assert names.skipped("mtp.layers.0.enorm.weight")
     assert not names.skipped("decoder.layers.0.mlp.linear_fc1.weight")
-    assert names.strip_wrappers("module.module.output_layer.weight") == "output_layer.weight"
+    assert names.strip_module_prefixes("module.module.output_layer.weight") == "output_layer.weight"
     assert names.globalize_layer("decoder.layers.1.mlp.linear_fc2.weight", {1: 6}) == (
         "decoder.layers.6.mlp.linear_fc2.weight", 6)
 
