@@ -41,9 +41,9 @@ class RefitConfig:
         unpacked view aligned for any dtype and for vectorised GPU copies.
     direct_bytes: a tensor at least this large gets a bucket of its own and is sent straight
         from its own memory (no pack copy) into the receiver's buffer (zero-copy view); such a
-        bucket costs a second, tiny collective for its header (on one H200 ~65 us of host time
-        per direct bucket vs ~30 us per packed tensor-free broadcast), so on GPUs it pays only
-        for large tensors; CPU/gloo, where packing costs CPU time, gains from a lower value.
+        bucket costs a second, tiny collective for its header (more host time than a packed
+        bucket's one), so on GPUs it pays only for large tensors; CPU/gloo, where packing costs
+        CPU time, gains from a lower value.
     checksum: the sender stamps each bucket's payload checksum into its header and every
         receiver checks the bytes it received before loading them (`common.checksum`; CPU
         groups; what it costs is measured by `bench/broadcast_bench.py`).

@@ -1,9 +1,9 @@
 """Native fast path for the sender's per-tensor checks: one C++ pass per bucket.
 
-At 20,000 MoE tensors the sender's Python work per tensor (name, dtype, shape, device,
-contiguity, address: ~1 µs on an H200 host) takes longer than NVLink needs to move them.
-`BucketScan.take` checks a whole bucket's (name, tensor) items in one call that borrows every
-reference (~70 ns per tensor there) and collects the addresses for the pack kernel. The
+At tens of thousands of MoE tensors the sender's Python work per tensor (name, dtype, shape,
+device, contiguity, address) takes longer than NVLink needs to move them. `BucketScan.take`
+checks a whole bucket's (name, tensor) items in one call that borrows every reference and
+collects the addresses for the pack kernel. The
 extension is built once per machine by torch's JIT loader (a C++ compiler and ninja; cached
 under TORCH_EXTENSIONS_DIR per ninja, Python and torch, rebuilt when this source changes);
 when it cannot be built, the Python path is used and one warning says why. `REFIT_NATIVE=0`

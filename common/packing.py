@@ -1,8 +1,8 @@
 """Pack a bucket's tensors into one flat uint8 buffer and unpack typed zero-copy views.
 
-Packing is batched, never a Python loop of `copy_` (on an H200 per-tensor copies of 20,000
-small tensors reach 0.06-0.13 TB/s): on CUDA with Triton one launch per copy unit over a
-pointer table (`pack_kernel`); on CPU, when the sender's native scan has the addresses, one
+Packing is batched, never a Python loop of `copy_` (per-tensor copies of many small tensors
+run at a small fraction of the memory bandwidth): on CUDA with Triton one launch per copy unit
+over a pointer table (`pack_kernel`); on CPU, when the sender's native scan has the addresses, one
 C++ loop of memcpy, else one `torch.cat` per run of adjacent slots of one dtype; otherwise (and
 for what is left) one `torch._foreach_copy_` per dtype. A bucket's place in its buffer never
 changes, so its destination views and chunk tables are built once (`BucketLayout`) and reused
@@ -92,8 +92,8 @@ class BucketLayout:
     def _runs(self) -> list[tuple[int, int, torch.Tensor]]:
         """(first, end, typed destination) per run of 2+ adjacent aligned slots of one dtype.
 
-        On CPU `torch._foreach_copy_` is a loop of `copy_` (~5 us of overhead per tensor);
-        `torch.cat` into the run's bytes is one call with a memcpy per input.
+        On CPU `torch._foreach_copy_` is a loop of `copy_` (a dispatch per tensor); `torch.cat`
+        into the run's bytes is one call with a memcpy per input.
         """
         runs, lo = [], 0
         n = len(self.specs)
@@ -137,8 +137,8 @@ class BucketLayout:
     def _pack_kernel(self, tensors: Sequence[torch.Tensor], ptrs: np.ndarray | None) -> bool:
         """Pack every aligned slot with the one-launch kernels; False: use the foreach copy.
 
-        The checks and the pointer table are C-level `map`s and numpy: at 20,000 tensors per
-        plan each Python bytecode per tensor shows up against a 6 ms kernel.
+        The checks and the pointer table are C-level `map`s and numpy: at tens of thousands of
+        tensors per plan each Python bytecode per tensor shows up against the kernel's time.
         """
         if not self.kernels:
             return False

@@ -52,8 +52,8 @@ class DictWeightSource:
         ]
 
     def iter_tensors(self, plan: RefitPlan) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """C-level `map`/`zip`: at 20,000 tensors a Python generator's ~0.2 µs per item is a
-        visible share of an NVLink refit."""
+        """C-level `map`/`zip`: at tens of thousands of tensors a Python generator's cost per
+        item is a visible share of an NVLink refit."""
         names = [spec.name for spec in plan.specs]
         tensors = map(self.tensors.get, names)
         if self.dtypes:
