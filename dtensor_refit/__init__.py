@@ -8,7 +8,8 @@ On every training rank, after `fully_shard` (and optionally `parallelize_module`
 
 Pipeline stages: `DTensorWeightSource([stage_part, ...], policy)` on every rank at once (one
 metadata exchange); each stage's first rank sends its tensors. Replicas (HSDP) that do not hold
-a tensor's source rank run no gather.
+a tensor's source rank run no gather. Experts split over ranks (EP) are sent by the ranks holding
+them (`expert_sources="owner"`, the default; "gather" sends them from one rank).
 
 Optionally, before joining: `compare_with_checkpoint(source.plan_specs(),
 checkpoint_specs(base_model_dir))` lists every name / shape the engine's checkpoint disagrees on.

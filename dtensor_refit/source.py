@@ -7,8 +7,9 @@ metadata exchange (`dtensor_refit.stages`). Each refit walks the plan in order; 
 spec's source replica run it in plan order and the source keeps the result. Ranks whose
 coordinate on a replicated mesh dimension (HSDP's replicate dimension) differs from the
 source's, and ranks of other stages, run no gather at all: they yield None at once. A fused
-expert tensor is gathered once and split per expert afterwards; at most one gathered tensor is
-alive here at a time (the broadcaster's buckets hold the rest), never the whole model.
+expert tensor split over ranks is sent expert by expert from the ranks holding them (at most a
+gather inside each EP group, `dtensor_refit.experts`); otherwise it is gathered once and split.
+At most one gathered tensor is alive here at a time, never the whole model.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from common.plan import RefitPlan, TensorSpec, dtype_from_name, dtype_name
-from dtensor_refit import stages
+from dtensor_refit import experts, stages
 from dtensor_refit.layout import LayoutError, model_entries
-from dtensor_refit.names import Entry, hf_model, split_experts
+from dtensor_refit.names import Entry, split_experts
 from dtensor_refit.policy import DtypePolicy
 
 log = logging.getLogger(__name__)
@@ -80,33 +81,6 @@ def gathers_here(tensor: DTensor, source: int) -> bool:
                if p.is_replicate())
 
 
-def _part_ranks(part: torch.nn.Module, rank: int) -> tuple[int, ...]:
-    """The default-group ranks a model part's DTensor meshes span (its stage), with `rank`."""
-    ranks = {rank}
-    meshes: dict[int, object] = {}
-    for t in list(part.parameters()) + list(part.buffers()):
-        if isinstance(t, DTensor) and id(t.device_mesh) not in meshes:
-            meshes[id(t.device_mesh)] = t.device_mesh
-            ranks.update(int(r) for r in t.device_mesh.mesh.flatten().tolist())
-    return tuple(sorted(ranks))
-
-
-def _whole_model(part: torch.nn.Module, check: bool) -> dict[str, tuple[int, ...]] | None:
-    """The whole model's checkpoint layout (rebuilt on meta from a part's transformers config)."""
-    hf = hf_model(part)
-    if hf is None:
-        return None
-    try:
-        with torch.device("meta"):
-            whole = type(hf)(hf.config)
-    except Exception as e:  # noqa: BLE001 - then only layer gaps are checked
-        log.warning("could not rebuild %s on meta (%s): stages checked for layer gaps only",
-                    type(hf).__name__, e)
-        return None
-    return {n: s for e in model_entries(whole, check=check)
-            for n, s in zip(e.names, e.shapes, strict=True)}
-
-
 class DTensorWeightSource:
     """Weights of an HF transformers model sharded with FSDP2 / HSDP / TP / EP, in checkpoint form.
 
@@ -117,12 +91,15 @@ class DTensorWeightSource:
     training ranks the same way. A whole model is sent from `source_rank` (default 0).
     `rank` is this process's refit rank (default: its default-group rank).
     `check_names=False` skips the cross-check against transformers' save_pretrained mapping.
+    `expert_sources="owner"` sends each expert of a fused expert tensor split over ranks from a
+    rank holding it (`dtensor_refit.experts`); "gather" gathers it whole to one source rank.
     """
 
     def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module],
                  policy: DtypePolicy | None = None, *, rank: int | None = None,
                  source_rank: int | None = None, check_names: bool = True,
-                 group: dist.ProcessGroup | None = None, timeout_s: float = 300.0) -> None:
+                 group: dist.ProcessGroup | None = None, timeout_s: float = 300.0,
+                 expert_sources: str = "owner") -> None:
         staged = not isinstance(model, torch.nn.Module)
         self.parts: list[torch.nn.Module] = list(model) if staged else [model]
         if not self.parts:
@@ -137,6 +114,11 @@ class DTensorWeightSource:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.rank = rank
         self.source_rank = None if staged else (source_rank or 0)
+        if expert_sources not in ("owner", "gather"):
+            raise ValueError(f"expert_sources must be 'owner' or 'gather', not {expert_sources!r}")
+        self.expert_sources = expert_sources
+        self._owners: dict[int, experts.Owners] = {}  # fused entry -> its experts' owners
+        self._source_of: dict[str, int] = {}  # checkpoint name -> the expert's owner
         self.entries: list[Entry] = []
         self._part_of: list[int] = []
         self._where: dict[str, tuple[int, int]] = {}  # checkpoint name -> (entry, piece)
@@ -144,13 +126,14 @@ class DTensorWeightSource:
         if staged:
             self._specs = self._merge_stages(group, timeout_s, check_names)
         else:
-            self._specs = [TensorSpec(n, s, dtype_from_name(d), self.source_rank)
+            self._specs = [TensorSpec(n, s, dtype_from_name(d),
+                                      self._source_of.get(n, self.source_rank))
                            for n, s, d in self._list_part(0, check_names)]
         self._known = {s.name for s in self._specs}
 
     @property
     def is_source(self) -> bool:
-        return self.rank == self.source_rank
+        return self.rank == self.source_rank or self.rank in self._source_of.values()
 
     def _list_part(self, p: int, check: bool) -> list[stages.Meta]:
         """(name, shape, declared dtype) of part `p`'s tensors, from metadata; indexes them."""
@@ -160,7 +143,13 @@ class DTensorWeightSource:
             i = len(self.entries)
             self.entries.append(entry)
             self._part_of.append(p)
-            dtype = _lookup(part, entry.key).dtype
+            raw = _lookup(part, entry.key)
+            dtype = raw.dtype
+            if self.expert_sources == "owner" and (
+                    owners := experts.for_entry(entry, raw, self.rank)) is not None:
+                self._owners[i] = owners
+                self._source_of.update(zip(entry.names, experts.name_sources(entry.kind, owners),
+                                           strict=True))
             for j, (name, shape) in enumerate(zip(entry.names, entry.shapes, strict=True)):
                 out.append((name, shape, dtype_name(self.policy.dtype_for(name, dtype))))
                 self._where.setdefault(name, (i, j))  # a name in two own parts: the first
@@ -173,14 +162,15 @@ class DTensorWeightSource:
         error, expected = None, None
         try:
             for p in range(len(self.parts)):
-                key = (_part_ranks(self.parts[p], dist.get_rank()), p)
+                key = (stages.part_ranks(self.parts[p], dist.get_rank()), p)
                 parts.append((key, tuple(self._list_part(p, check))))
-            expected = _whole_model(self.parts[0], check)
+            expected = stages.whole_model(self.parts[0], check)
         except Exception as e:  # noqa: BLE001 - sent to every rank, raised everywhere
             error = f"{type(e).__name__}: {e}"
         self._keys = [k for k, _ in parts]
-        reports = stages.exchange(stages.Report(self.rank, tuple(parts), error), group,
-                                  timeout_s)
+        report = stages.Report(self.rank, tuple(parts), error,
+                               tuple(sorted(self._source_of.items())))
+        reports = stages.exchange(report, group, timeout_s)
         merged = stages.merge(reports)
         stages.check_complete(merged.specs, expected)
         if merged.overlaps:
@@ -233,16 +223,25 @@ class DTensorWeightSource:
         full = _full(raw)  # a collective: every rank of the source's replica runs it
         return full if keep else None  # off the source: gathered for the collective only
 
+    def _fused(self, i: int, source: int) -> dict[int, torch.Tensor]:
+        """Entry i's per-expert tensors this rank sends, by index in the entry's names."""
+        owners, kind = self._owners.get(i), self.entries[i].kind
+        if owners is None:
+            full = self._take(i, source)
+            return {} if full is None else dict(enumerate(split_experts(kind, full)))
+        raw = _lookup(self.parts[self._part_of[i]], self.entries[i].key)
+        return experts.own_pieces(kind, owners, owners.rows(raw))
+
     def iter_tensors(self, plan: RefitPlan) -> Iterator[tuple[str, torch.Tensor | None]]:
         """(name, full tensor in the declared dtype) per plan spec, in plan order.
 
         Yields None off each spec's source rank; another stage's tensor costs nothing here. A
         fused expert group that is contiguous in the plan (as plan_specs lists it) is gathered
-        once.
+        (or read from the owners' shards) once.
         """
         for part in self.parts:
             reshard_fsdp(part)
-        cached: tuple[int, list[torch.Tensor]] | None = None
+        cached: tuple[int, dict[int, torch.Tensor]] | None = None
         for spec in plan.specs:
             where = self._where.get(spec.name)
             if where is None:
@@ -259,12 +258,13 @@ class DTensorWeightSource:
             else:
                 if cached is None or cached[0] != i:
                     cached = None  # drop the previous fused tensor before gathering the next
-                    full = self._take(i, spec.source_rank)
-                    cached = (i, [] if full is None else list(split_experts(entry.kind, full)))
-                    del full
-                tensor = cached[1][j] if cached[1] else None
+                    cached = (i, self._fused(i, spec.source_rank))
+                tensor = cached[1].get(j)
+                if tensor is None and spec.source_rank == self.rank:
+                    raise RuntimeError(f"the plan sends {spec.name!r} from rank {self.rank}, "
+                                       f"which does not hold it: build the plan from "
+                                       f"this source's plan_specs()")
             if tensor is not None and tensor.dtype != spec.dtype:
                 tensor = tensor.to(spec.dtype)
             yield spec.name, tensor
             del tensor
-        cached = None

@@ -16,29 +16,37 @@ helper) must agree in shape, dtype and value at setup; it is then sent once.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from common.plan import TensorSpec, dtype_from_name, dtype_name
-from dtensor_refit.layout import LayoutError
+from dtensor_refit.layout import LayoutError, model_entries
+from dtensor_refit.names import hf_model
 
 #: (name, shape, declared dtype name) of one checkpoint tensor, as exchanged between ranks.
 Meta = tuple[str, tuple[int, ...], str]
 StageKey = tuple[tuple[int, ...], int]  # (ranks of the stage, position in a rank's parts)
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Report:
-    """What one rank tells the others at setup: its parts' specs, or why it could not list them."""
+    """What one rank tells the others at setup: its parts' specs, or why it could not list them.
+
+    `sources` names the tensors not sent by their stage's first rank (experts sent by owners).
+    """
 
     rank: int
     parts: tuple[tuple[StageKey, tuple[Meta, ...]], ...]
     error: str | None = None
+    sources: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,33 @@ class Merged:
     specs: tuple[TensorSpec, ...]
     owner: dict[str, StageKey]
     overlaps: dict[str, tuple[StageKey, ...]]
+
+
+def part_ranks(part: torch.nn.Module, rank: int) -> tuple[int, ...]:
+    """The default-group ranks a model part's DTensor meshes span (its stage), with `rank`."""
+    ranks = {rank}
+    meshes: dict[int, object] = {}
+    for t in list(part.parameters()) + list(part.buffers()):
+        if isinstance(t, DTensor) and id(t.device_mesh) not in meshes:
+            meshes[id(t.device_mesh)] = t.device_mesh
+            ranks.update(int(r) for r in t.device_mesh.mesh.flatten().tolist())
+    return tuple(sorted(ranks))
+
+
+def whole_model(part: torch.nn.Module, check: bool) -> dict[str, tuple[int, ...]] | None:
+    """The whole model's checkpoint layout (rebuilt on meta from a part's transformers config)."""
+    hf = hf_model(part)
+    if hf is None:
+        return None
+    try:
+        with torch.device("meta"):
+            whole = type(hf)(hf.config)
+    except Exception as e:  # noqa: BLE001 - then only layer gaps are checked
+        log.warning("could not rebuild %s on meta (%s): stages checked for layer gaps only",
+                    type(hf).__name__, e)
+        return None
+    return {n: s for e in model_entries(whole, check=check)
+            for n, s in zip(e.names, e.shapes, strict=True)}
 
 
 def describe(key: StageKey) -> str:
@@ -68,6 +103,12 @@ def merge(reports: Sequence[Report]) -> Merged:
                 diff = sorted(set(seen[1]) ^ set(metas))[:3]
                 raise LayoutError(f"ranks {seen[0]} and {report.rank} of {describe(key)} list "
                                   f"different tensors (first differences: {diff})")
+    sources: dict[str, int] = {}
+    for report in reports:
+        for name, src in report.sources:
+            if sources.setdefault(name, src) != src:
+                raise LayoutError(f"ranks disagree on the source rank of {name!r}: "
+                                  f"{sources[name]} and {src}")
     owner: dict[str, StageKey] = {}
     first: dict[str, Meta] = {}
     holders: dict[str, list[StageKey]] = {}
@@ -78,7 +119,8 @@ def merge(reports: Sequence[Report]) -> Merged:
             holders.setdefault(name, []).append(key)
             if name not in owner:
                 owner[name], first[name] = key, meta
-                specs.append(TensorSpec(name, meta[1], dtype_from_name(meta[2]), key[0][0]))
+                specs.append(TensorSpec(name, meta[1], dtype_from_name(meta[2]),
+                                        sources.get(name, key[0][0])))
             elif first[name] != meta:
                 raise LayoutError(
                     f"tensor {name!r} is in {describe(owner[name])} as {list(first[name][1])} "

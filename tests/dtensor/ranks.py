@@ -81,7 +81,8 @@ def _train_side(rank: int, case: Case, port: int) -> tuple:
         mine = {n: None if t is None else t.clone() for n, t in source.iter_tensors(plan)}
     info["iter_comms"] = comm.get_total_counts()
     info["digest"] = plan.digest
-    info["none_off_source"] = rank == 0 or all(t is None for t in mine.values())
+    sources = {s.name: s.source_rank for s in specs}  # experts: sent by their owners
+    info["none_off_source"] = all(t is None for n, t in mine.items() if sources[n] != rank)
     if rank == 0:
         for name, value in bias_fp32.items():  # the router bias: declared and sent as fp32
             spec = next(s for s in specs if s.name == name)
@@ -106,6 +107,19 @@ def _dcp_reference(model, case: Case, rank: int) -> dict | None:
     return saved(fresh, _policy(case))
 
 
+def _yields_on_rank0(mine: dict, rank: int, trainers: int) -> dict | None:
+    """What every training rank yielded (experts come from their owners), united on rank 0."""
+    pieces: list | None = [None] * trainers if rank == 0 else None
+    dist.gather_object({n: t for n, t in mine.items() if t is not None}, pieces, dst=0)
+    if pieces is None:
+        return None
+    got: dict = {}
+    for piece in pieces:
+        assert not set(got) & set(piece), "a tensor was yielded by two ranks"
+        got.update(piece)
+    return got
+
+
 def refit_job(rank: int, world: int, ports: tuple[int, int], case: Case) -> dict | None:
     from common.broadcast import RefitSender
     from common.config import RefitConfig
@@ -120,8 +134,9 @@ def refit_job(rank: int, world: int, ports: tuple[int, int], case: Case) -> dict
         try:
             model, source, specs, mine, info = _train_side(rank, case, ports[0])
             ref = _dcp_reference(model, case, rank)
+            got = _yields_on_rank0(mine, rank, trainers)
             if ref is not None:
-                assert_same({n: t for n, t in mine.items()}, ref, "rank 0 vs DCP+save_pretrained")
+                assert_same(got, ref, "ranks vs DCP+save_pretrained")
             group = RefitGroup(host="127.0.0.1", port=ports[1], rank=rank,
                                world_size=trainers + 1, num_trainers=trainers, device="cpu",
                                timeout_s=config.timeout_s)

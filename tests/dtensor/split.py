@@ -7,6 +7,9 @@
 - "hsdp": FSDP2 on a (replicate, shard) mesh: `(Replicate(), Shard(0))`.
 - "dpep": torchtitan's dp x ep: experts `Shard(0)` on "ep" then FSDP2 on "dp_mod_ep"
   (`(_StridedShard(0, sf=2), Shard(0))`), the rest FSDP2 over all 4 ranks.
+- "dpep_s1": the same with FSDP2 sharding the experts on dim 1 (torchtitan's choice when there
+  are fewer local experts than dp ranks): `(Shard(1), Shard(0))`.
+- "ep": EP alone: experts `Shard(0)` on a 4-rank "ep" mesh, the rest FSDP2 on the same ranks.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Layout:
     tie: bool = False
     drop_layer: int | None = None
     skew: bool = False
+    experts: str = "owner"  # DTensorWeightSource's expert_sources
 
     @property
     def case(self) -> Case:
@@ -40,7 +44,7 @@ class Layout:
         return self.kind.startswith("pp_")
 
     def __str__(self) -> str:
-        return f"{self.kind}-{self.arch}{'-tied' if self.tie else ''}"
+        return f"{self.kind}-{self.arch}{'-tied' if self.tie else ''}-{self.experts}"
 
 
 def _fsdp(model: torch.nn.Module, layers, mesh) -> None:
@@ -95,21 +99,44 @@ def _hsdp(model: torch.nn.Module):
     return model
 
 
-def _dpep(model: torch.nn.Module):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def _experts(model: torch.nn.Module, ep_mesh) -> list[torch.nn.Module]:
+    """Each MoE layer's fused experts `Shard(0)` on `ep_mesh`; returns the expert modules."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
-    flat = mesh["dp_mod_ep", "ep"]._flatten("dp_shard")
+    out = []
     for layer in model.model.layers:
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None:
             for attr in ("gate_up_proj", "down_proj"):
-                shard = distribute_tensor(getattr(experts, attr).detach(), mesh["ep"], [Shard(0)])
+                shard = distribute_tensor(getattr(experts, attr).detach(), ep_mesh, [Shard(0)])
                 setattr(experts, attr, torch.nn.Parameter(shard))
-            fully_shard(experts, mesh=mesh["dp_mod_ep"])
+            out.append(experts)
+    return out
+
+
+def _dpep(model: torch.nn.Module, dim: int = 0):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
+    flat = mesh["dp_mod_ep", "ep"]._flatten("dp_shard")
+    for experts in _experts(model, mesh["ep"]):
+        place = (lambda p: Shard(dim)) if dim else None  # None: FSDP2's default Shard(0)
+        fully_shard(experts, mesh=mesh["dp_mod_ep"], shard_placement_fn=place)
     _fsdp(model, model.model.layers, flat)
+    return model
+
+
+def _ep(model: torch.nn.Module):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (TRAINERS,), mesh_dim_names=("ep",))
+    ignored = {p for m in _experts(model, mesh) for p in m.parameters()}
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, ignored_params=ignored)
     return model
 
 
@@ -124,4 +151,8 @@ def build_layout(layout: Layout):
         return _hsdp(model)
     if layout.kind == "dpep":
         return _dpep(model)
+    if layout.kind == "dpep_s1":
+        return _dpep(model, dim=1)
+    if layout.kind == "ep":
+        return _ep(model)
     raise ValueError(f"unknown layout {layout.kind!r}")

@@ -48,7 +48,8 @@ def _policy(layout: Layout):
 
 
 def _own_gathers(source) -> int:
-    """DTensor entries of this rank's parts whose tensors its own stage sends."""
+    """DTensor entries of this rank's parts whose tensors its own stage gathers to send
+    (experts sent by their owners need none)."""
     from torch.distributed.tensor import DTensor
 
     from dtensor_refit.source import _lookup
@@ -56,7 +57,8 @@ def _own_gathers(source) -> int:
     first = {s.name: s.source_rank for s in source.plan_specs()}
     return sum(1 for i, e in enumerate(source.entries)
                if isinstance(_lookup(source.parts[source._part_of[i]], e.key), DTensor)
-               and first[e.names[0]] == source._keys[source._part_of[i]][0][0])
+               and first[e.names[0]] == source._keys[source._part_of[i]][0][0]
+               and i not in source._owners)
 
 
 def _train(rank: int, layout: Layout, ports: tuple[int, int], config) -> dict:
@@ -69,12 +71,17 @@ def _train(rank: int, layout: Layout, ports: tuple[int, int], config) -> dict:
 
     model = build_layout(layout)
     parts = model if isinstance(model, list) else [model]
-    source = DTensorWeightSource(model, _policy(layout))
+    source = DTensorWeightSource(model, _policy(layout), expert_sources=layout.experts)
     specs = source.plan_specs()
+    mine: dict = {}
+    per_name: dict[str, int] = {}  # collectives run while producing each tensor
     with CommDebugMode() as comm:
-        mine = {n: None if t is None else t.clone()
-                for n, t in source.iter_tensors(RefitPlan.build(specs))}
+        for n, t in source.iter_tensors(RefitPlan.build(specs)):
+            per_name[n] = comm.get_total_counts() - sum(per_name.values())
+            mine[n] = None if t is None else t.clone()
     info = {"gathers": comm.get_total_counts(),
+            "expert_gathers": sum(c for n, c in per_name.items() if ".experts." in n),
+            "expert_sources": {s.name: s.source_rank for s in specs if ".experts." in s.name},
             "own_gathers": _own_gathers(source) if layout.staged else None,
             "yielded": sorted(n for n, t in mine.items() if t is not None),
             "sourced": sorted(s.name for s in specs if s.source_rank == rank),

@@ -29,14 +29,17 @@ def check(results: list, layout: Layout) -> list[dict]:
 def test_two_stages_fsdp2_dp2(pool, layout: Layout) -> None:
     """Each stage sends its own tensors from its first rank and gathers only in its mesh."""
     trainers = check(pool.run(stage_job, layout), layout)
-    assert trainers[0]["sources"] == [0, 2]
+    # MoE: FSDP2's Shard(0) splits stage 1's 4 experts, rank 3 sends its own 2 (experts 2, 3)
+    owned = sorted(n for n, r in trainers[0]["expert_sources"].items() if r == 3)
+    assert len(owned) == (3 * 2 if layout.arch == "qwen3_moe" else 0), owned
+    assert trainers[0]["sources"] == ([0, 2, 3] if owned else [0, 2])
     names = trainers[0]["names"]
     assert names[0] == "model.embed_tokens.weight" and names.count(names[0]) == 1
     assert ("lm_head.weight" in names) != layout.tie  # tied: sent once, as the embedding
-    assert trainers[1]["yielded"] == trainers[3]["yielded"] == []
+    assert trainers[1]["yielded"] == [] and trainers[3]["yielded"] == owned
     assert all(n.startswith("model.layers.1.") or n in ("model.norm.weight", "lm_head.weight")
                for n in trainers[2]["yielded"])
-    for r in trainers:  # no rank gathers another stage's tensors
+    for r in trainers:  # no rank gathers another stage's tensors (nor experts it holds)
         assert r["gathers"] == r["own_gathers"] > 0, r
 
 
@@ -48,9 +51,36 @@ def test_hsdp_other_replica_runs_no_gather(pool) -> None:
     assert gathers[0] == gathers[1] > 0 and gathers[2] == gathers[3] == 0, gathers
 
 
-def test_dp_x_ep(pool) -> None:
-    trainers = check(pool.run(stage_job, Layout("dpep", "qwen3_moe")), Layout("dpep", "qwen3_moe"))
-    assert "(_StridedShard(dim=0, sf=2), Shard(dim=0))" in trainers[1]["placements"]
+# layout -> (the experts' placements, the rank holding each of the 4 experts: mesh
+# [[0, 1], [2, 3]] over (dp_mod_ep, ep): ep j holds experts 2j, 2j+1, dp i the i-th of them)
+EXPERT_LAYOUTS = {"dpep": ("(_StridedShard(dim=0, sf=2), Shard(dim=0))", [0, 2, 1, 3]),
+                  "dpep_s1": ("(Shard(dim=1), Shard(dim=0))", [0, 2, 1, 3]),
+                  "ep": ("(Shard(dim=0),)", [0, 1, 2, 3])}
+
+
+@pytest.mark.parametrize("kind", EXPERT_LAYOUTS)
+def test_expert_owners_send_their_experts(pool, kind: str) -> None:
+    """Exact; each expert sent by the rank holding it; expert gathers only inside an EP group."""
+    layout = Layout(kind, "qwen3_moe")
+    trainers = check(pool.run(stage_job, layout), layout)
+    placements, owner = EXPERT_LAYOUTS[kind]
+    assert placements in trainers[0]["placements"], trainers[0]["placements"]
+    sources = trainers[0]["expert_sources"]
+    assert len(sources) == 3 * 4 and len(set(sources.values())) == 4
+    for name, src in sources.items():
+        assert src == owner[int(name.split(".experts.")[1].split(".")[0])], (name, src)
+    # dim 1 split by FSDP2: one gather per fused tensor (2) over dp inside each EP group;
+    # otherwise every rank holds its experts whole and gathers nothing for them
+    want = 2 if kind == "dpep_s1" else 0
+    assert [r["expert_gathers"] for r in trainers] == [want] * TRAINERS
+
+
+def test_dp_x_ep_gathered(pool) -> None:
+    """expert_sources="gather": every expert gathered whole and sent from rank 0, exact."""
+    layout = Layout("dpep", "qwen3_moe", experts="gather")
+    trainers = check(pool.run(stage_job, layout), layout)
+    assert set(trainers[0]["expert_sources"].values()) == {0}
+    assert all(r["expert_gathers"] > 0 for r in trainers)
 
 
 @pytest.mark.parametrize(("layout", "match"), [

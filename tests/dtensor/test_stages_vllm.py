@@ -19,7 +19,7 @@ from tests.vllm.harness import write_engine_checkpoint
 from tests.vllm.helpers import greedy, start_engine
 
 pytestmark = pytest.mark.slow
-LAYOUT = Layout("pp_hf")
+LAYOUT = Layout("pp_hf", tie=True)  # the last stage keeps the tied embedding too
 
 
 def _trainer(rank: int, world: int, port: int, dist_port: int) -> list:

@@ -138,3 +138,28 @@ def test_any_plan_order_and_unknown_names() -> None:
     bad = RefitPlan.build([*specs, TensorSpec("model.nope.weight", (1,), torch.bfloat16)])
     with pytest.raises(KeyError, match="model.nope.weight"):
         list(source.iter_tensors(bad))
+
+
+def test_expert_ids_follow_the_placements() -> None:
+    """FSDP2 over EP (right-to-left, `_StridedShard`) vs plain left-to-right `Shard`s."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from dtensor_refit.experts import _expert_ids
+
+    def ids(placements) -> dict:
+        return {c: _expert_ids(placements, (2, 2), 8, c) for c in ((0, 0), (0, 1), (1, 0), (1, 1))}
+
+    assert ids((_StridedShard(0, split_factor=2), Shard(0))) == \
+        {(0, 0): (0, 1), (0, 1): (4, 5), (1, 0): (2, 3), (1, 1): (6, 7)}
+    assert ids((Shard(0), Shard(0))) == \
+        {(0, 0): (0, 1), (0, 1): (2, 3), (1, 0): (4, 5), (1, 1): (6, 7)}
+    assert ids((Shard(1), Shard(0))) == \
+        {(0, 0): (0, 1, 2, 3), (0, 1): (4, 5, 6, 7), (1, 0): (0, 1, 2, 3), (1, 1): (4, 5, 6, 7)}
+    uneven = [_expert_ids((Shard(0),), (4,), 6, (c,)) for c in range(4)]
+    assert uneven == [(0, 1), (2, 3), (4, 5), ()]  # torch.chunk's sizes, as FSDP2 shards
+
+
+def test_expert_sources_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="expert_sources must be 'owner' or 'gather'"):
+        DTensorWeightSource(build_unsharded(Case("qwen3")), expert_sources="owners")
