@@ -70,6 +70,25 @@ def layer_kind(layer: torch.nn.Module) -> str | None:
     return COPY
 
 
+def _in_serving_memory(layer: torch.nn.Module, info: object) -> None:
+    """Give the layer's model-format params that match their serving tensor (shape, strides,
+    dtype) that tensor's memory: the runs land there, and vLLM's copy of the processed
+    tensors into the serving ones becomes a no-op (a copy onto the same memory), where a
+    fresh tensor would cost an allocation, its page faults and that copy. The rest stay meta
+    for `materialize_layer`."""
+    serving = info.kernel_tensors[0]
+    for name, meta in list(layer._parameters.items()):
+        live = serving.get(name)
+        if (meta is None or not meta.is_meta or live is None or not live.is_contiguous()
+                or (live.shape, live.stride(), live.dtype) != (meta.shape, meta.stride(),
+                                                               meta.dtype)):
+            continue
+        tensor = live.data
+        tensor.__class__ = meta.__class__
+        tensor.__dict__ = meta.__dict__.copy()
+        setattr(layer, name, tensor)
+
+
 class DirectLoad:
     """One worker's learned map (`learn`) and its use on each later refit (`begin`, `load`)."""
 
@@ -131,6 +150,7 @@ class DirectLoad:
         runs = self.runs[index]
         for path in runs.first_touch:
             layer = self.modules[path]
+            _in_serving_memory(layer, LAYERWISE_INFO[layer])
             materialize_layer(layer, LAYERWISE_INFO[layer])
             live = get_layer_tensors(layer)
             for i in self.dest_index[path]:
