@@ -1,10 +1,17 @@
-"""Tensor names, shapes and dtypes of a safetensors checkpoint, read from its headers only."""
+"""Tensor names, shapes and dtypes of a safetensors checkpoint, read from its headers only,
+and the one check of a refit plan against such a checkpoint (engines and trainers use it)."""
 
 from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.plan import TensorSpec, dtype_name
 
 _DTYPES = {
     "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
@@ -34,3 +41,31 @@ def checkpoint_tensors(model_dir: str | Path) -> dict[str, tuple[tuple[int, ...]
     for path in files:
         out.update(read_header(path))
     return out
+
+
+def plan_problems(specs: Iterable[TensorSpec], checkpoint: Mapping[str, tuple[Sequence[int], Any]],
+                  kept_dtype: Callable[[str], torch.dtype | None] | None = None,
+                  holder: str = "the receiver", limit: int = 20) -> list[str]:
+    """Every way a plan disagrees with a checkpoint ({name: (shape, ...)}), at most `limit`
+    then a count: plan tensors the checkpoint lacks, shapes, floating dtypes where
+    `kept_dtype(name)` names the dtype `holder` keeps, and checkpoint tensors the plan lacks
+    (their weights would go stale). Empty: the plan fits."""
+    specs, problems = list(specs), []
+    for spec in specs:
+        if spec.name not in checkpoint:
+            problems.append(f"tensor {spec.name!r} is not in the checkpoint")
+            continue
+        shape = tuple(int(n) for n in checkpoint[spec.name][0])
+        want = kept_dtype(spec.name) if kept_dtype is not None else None
+        if shape != spec.shape:
+            problems.append(f"tensor {spec.name!r}: plan shape {list(spec.shape)}, checkpoint "
+                            f"shape {list(shape)}")
+        elif want is not None and spec.dtype.is_floating_point and spec.dtype != want:
+            problems.append(f"tensor {spec.name!r}: plan dtype {dtype_name(spec.dtype)}, "
+                            f"{holder} keeps it as {dtype_name(want)}")
+    planned = {spec.name for spec in specs}
+    problems += [f"checkpoint tensor {n!r} is not in the plan (its weight would go stale)"
+                 for n in checkpoint if n not in planned]
+    if len(problems) > limit:
+        problems = [*problems[:limit], f"... and {len(problems) - limit} more"]
+    return problems

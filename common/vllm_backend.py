@@ -42,10 +42,10 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 
 from common import native
 from common.broadcast import RefitReceiver
-from common.checkpoint import checkpoint_tensors
+from common.checkpoint import checkpoint_tensors, plan_problems
 from common.group import RefitGroup
 from common.load_map import CopyRecorder
-from common.plan import Bucket, RefitPlan, dtype_name
+from common.plan import Bucket, RefitPlan
 from common.vllm_apply import DirectLoad, learn
 from common.vllm_map_check import (
     changed_params,
@@ -129,7 +129,8 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                  plan.digest[:12], len(plan.specs), len(plan.buckets))
 
     def _check_plan(self, plan: RefitPlan) -> str | None:
-        """Why this engine cannot take `plan`, naming the tensor; None if it can.
+        """Why this engine cannot take `plan` (every problem, naming the tensors); None if it
+        can (`common.checkpoint.plan_problems`).
 
         Names and shapes come from the checkpoint the engine was started from (vLLM has no
         dry-run load); dtypes from the model: a tensor vLLM keeps under the same name (e.g. an
@@ -137,26 +138,17 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         model dtype. Every checkpoint tensor must be in the plan, or its weight would go stale.
         """
         model_dir = self.model_config.model
-        ckpt = checkpoint_tensors(model_dir)
         params = dict(self.model.named_parameters())
         model_dtype = self.model_config.dtype
-        for spec in plan.specs:
-            if spec.name not in ckpt:
-                return (f"tensor {spec.name!r} is not in the checkpoint this engine was started "
-                        f"from ({model_dir})")
-            shape, _ = ckpt[spec.name]
-            if tuple(shape) != spec.shape:
-                return (f"tensor {spec.name!r}: plan shape {list(spec.shape)}, engine checkpoint "
-                        f"shape {list(shape)}")
-            want = params[spec.name].dtype if spec.name in params else model_dtype
-            if spec.dtype.is_floating_point and spec.dtype != want:
-                return (f"tensor {spec.name!r}: plan dtype {dtype_name(spec.dtype)}, the engine "
-                        f"keeps it as {dtype_name(want)}")
-        missing = sorted(set(ckpt) - {spec.name for spec in plan.specs})
-        if missing:
-            return (f"the plan lacks {len(missing)} tensor(s) of the engine's checkpoint, e.g. "
-                    f"{missing[0]!r}: they would keep stale weights")
-        return None
+
+        def kept(name: str) -> torch.dtype:
+            return params[name].dtype if name in params else model_dtype
+
+        problems = plan_problems(plan.specs, checkpoint_tensors(model_dir), kept, "the engine")
+        if not problems:
+            return None
+        return (f"against the checkpoint this engine was started from ({model_dir}): "
+                + "; ".join(problems))
 
     def start_weight_update(self) -> None:
         if self.receiver is None:

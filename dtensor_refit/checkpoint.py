@@ -1,7 +1,7 @@
 """Training-side pre-flight: does a plan fit a HF checkpoint folder (names, shapes, dtypes)?
 
-The receiver vets the plan against the checkpoint its engine started from
-(`common.vllm_worker`); a trainer that can see the same folder (the base model it started
+The receiver vets the plan against the checkpoint its engine started from (the same check,
+in `common.vllm_backend`); a trainer that can see the same folder (the base model it started
 from) can run the same check before it ever joins the refit group, and get every problem at
 once instead of the first. Headers are read by `common.checkpoint` (no tensor data is read).
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from common.checkpoint import checkpoint_tensors
+from common.checkpoint import checkpoint_tensors, plan_problems
 from common.plan import TensorSpec, dtype_from_name
 
 CheckpointSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -28,24 +28,14 @@ def checkpoint_specs(folder: str | Path) -> CheckpointSpecs:
 def compare_with_checkpoint(
     specs: Iterable[TensorSpec], checkpoint: CheckpointSpecs, check_dtype: bool = False
 ) -> list[str]:
-    """Every way `specs` disagrees with `checkpoint` (names both ways, shapes; dtypes if asked).
+    """Every way `specs` disagrees with `checkpoint` (`common.checkpoint.plan_problems`:
+    names both ways, shapes; dtypes if asked). An empty list means the plan fits.
 
     Dtypes are not compared by default: a checkpoint saved from a `model.to(bf16)` model
     stores the router bias in bf16 while the refit declares it fp32 (vLLM keeps it fp32), and
-    the inference dtype may differ from the stored one. An empty list means the plan fits.
+    the inference dtype may differ from the stored one.
     """
-    problems: list[str] = []
-    seen: set[str] = set()
-    for spec in specs:
-        seen.add(spec.name)
-        if spec.name not in checkpoint:
-            problems.append(f"{spec.name!r} is not in the checkpoint")
-            continue
-        shape, dtype = checkpoint[spec.name]
-        if shape != spec.shape:
-            problems.append(f"{spec.name!r}: shape {list(spec.shape)}, checkpoint {list(shape)}")
-        elif check_dtype and dtype != spec.dtype:
-            problems.append(f"{spec.name!r}: dtype {spec.dtype}, checkpoint {dtype}")
-    problems += [f"checkpoint tensor {n!r} is not in the plan" for n in checkpoint
-                 if n not in seen]
-    return problems
+    def stored(name: str) -> torch.dtype:
+        return checkpoint[name][1]
+
+    return plan_problems(specs, checkpoint, stored if check_dtype else None, "the checkpoint")

@@ -119,7 +119,7 @@ def test_checkpoint_specs_from_headers() -> None:
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert ckpt[bias][1] == torch.bfloat16
     assert [p for p in compare_with_checkpoint(specs, ckpt, check_dtype=True)] == \
-        [f"{bias!r}: dtype torch.float32, checkpoint torch.bfloat16"]
+        [f"tensor {bias!r}: plan dtype float32, the checkpoint keeps it as bfloat16"]
     wrong = [TensorSpec(s.name, (1,) if s.name == bias else s.shape, s.dtype) for s in specs]
     wrong.append(TensorSpec("model.extra.weight", (2,), torch.bfloat16))
     problems = compare_with_checkpoint(wrong[1:], ckpt)
