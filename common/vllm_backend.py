@@ -32,11 +32,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.model_loader.reload.layerwise import (
     LAYERWISE_INFO,
     finalize_layerwise_reload,
-    get_layerwise_info,
     initialize_layerwise_reload,
 )
 
@@ -46,6 +44,7 @@ from common.checkpoint import checkpoint_tensors, plan_problems
 from common.group import RefitGroup
 from common.load_map import CopyRecorder
 from common.plan import Bucket, RefitPlan
+from common.stats import RefitStats
 from common.vllm_apply import DirectLoad, learn
 from common.vllm_map_check import (
     changed_params,
@@ -54,6 +53,7 @@ from common.vllm_map_check import (
     readable_params,
     reload_kept,
 )
+from common.vllm_reload_fixes import ReloadFixes
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +120,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         if self.direct is None:
             self.apply_report = {"path": _apply_mode()}
         self._index = {spec.name: i for i, spec in enumerate(plan.specs)}
-        self._moe_layers = _moe_layers(self.model)
-        self._tied = _tied_layers(self.model)
-        self._loadable = _loadable(self.model)
+        self.fixes = ReloadFixes(self.model)
         self._bucket_of = {plan.specs[b.start].name: b.index for b in plan.buckets
                            if b.stop > b.start}
         log.info("%s: joined with plan %s (%d tensors, %d buckets)", group.who,
@@ -171,11 +169,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         if not self.in_update:
             raise RuntimeError("update_weights without start_weight_update")
         version, verify = update_info.version, update_info.verify
-        if verify and self.last_version is not None and version != self.last_version:
-            raise ValueError(f"verify v{version}: this engine holds v{self.last_version}")
-        if not verify and self.last_version is not None and version <= self.last_version:
-            raise ValueError(f"refit v{version} is not newer than v{self.last_version}, the "
-                             f"version this engine already holds")
+        self._check_version(version, verify)
         held = readable_params(self.model) if verify else None
         receiver, model, loaded = self.receiver, self.model, set()
         direct, recorder = self._pick_path()
@@ -203,8 +197,8 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             finalized = True
             with watch:
                 finalize_layerwise_reload(model, self.model_config)
-            self._after_load(loaded)
-            if missing := sorted(self._loadable - loaded):
+            self.fixes.after_load(loaded)
+            if missing := sorted(self.fixes.loadable - loaded):
                 raise RuntimeError(f"no value arrived for {len(missing)} param(s), e.g. "
                                    f"{missing[0]!r}")
             if recorder is not None:
@@ -220,15 +214,28 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             if not finalized:  # the group failed mid-refit: close the reload session anyway
                 try:
                     finalize_layerwise_reload(model, self.model_config)
-                    self._after_load(loaded)
+                    self.fixes.after_load(loaded)
                 except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
                     log.exception("closing the reload session of failed refit v%d", version)
         self.last_version, self.landed = version, True
+        self._report_landed(version, direct, stats, t0)
+
+    def _check_version(self, version: int, verify: bool) -> None:
+        """A refit must be newer than what the engine holds; a verification, the same."""
+        held = self.last_version
+        if verify and held is not None and version != held:
+            raise ValueError(f"verify v{version}: this engine holds v{held}")
+        if not verify and held is not None and version <= held:
+            raise ValueError(f"refit v{version} is not newer than v{held}, the version this "
+                             f"engine already holds")
+
+    def _report_landed(self, version: int, direct: DirectLoad | None, stats: RefitStats,
+                       t0: float) -> None:
         if direct is not None:  # where the apply's time went: copies, vLLM's layer processing
             self.apply_report["last_refit"] = {**direct.times, "post_s": stats.post_s}
         path = "direct" if direct is not None else "load_weights"
         log.info("%s: refit v%d landed in %.1f ms via %s (wait %.1f ms, load %.1f ms)",
-                 receiver.group.who, version, (time.perf_counter() - t0) * 1e3, path,
+                 self.receiver.group.who, version, (time.perf_counter() - t0) * 1e3, path,
                  stats.wait_s * 1e3, stats.load_s * 1e3)
 
     def _check_unchanged(self, held: dict[str, torch.Tensor], loaded: set[str],
@@ -245,15 +252,6 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                                f"{differ[:3]} ({unreadable} params cannot be read here)")
         log.info("%s: verify v%d: %d readable params hold what the trainers sent (%d params "
                  "cannot be read)", self.receiver.group.who, version, len(held), unreadable)
-
-    def _after_load(self, loaded: set[str]) -> None:
-        """What vLLM's in-place reload leaves stale: the CPU fused-MoE prepack, and the
-        kernels of layers whose weight is another layer's (a tied lm_head), for this refit's
-        loads only."""
-        _redo_cpu_moe_prepack(self._moe_layers, loaded)
-        for layer, aliases in self._tied:
-            if aliases & loaded:
-                layer.quant_method.process_weights_after_loading(layer)
 
     def _pick_path(self) -> tuple[DirectLoad | None, CopyRecorder | None]:
         """The learned map to apply this refit with, or a recorder to learn it from this
@@ -297,7 +295,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         t0, who = time.perf_counter(), self.receiver.group.who
 
         try:
-            check = check_map(self.direct, self.model, kept, self._after_load)
+            check = check_map(self.direct, self.model, kept, self.fixes.after_load)
             why = f"{len(check.differ)} param(s) differ, e.g. {check.differ[0]!r}" \
                 if check.differ else None
         except Exception as e:  # noqa: BLE001 - reported as the reason the map is dropped
@@ -313,7 +311,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         self.direct = None
         self.apply_report = {"path": "load_weights", "map_rejected": why}
         reload_kept(self.model, self.receiver.plan, kept, self.model_config,
-                    self._after_load)
+                    self.fixes.after_load)
 
     def _load(self, items: list[tuple[str, torch.Tensor]],
               recorder: CopyRecorder | None = None) -> set[str]:
@@ -365,50 +363,3 @@ def _verify_map() -> bool:
 def _extent(bucket: Bucket, plan: RefitPlan) -> int:
     """Bytes from a bucket's first tensor to the end of its last."""
     return bucket.offsets[-1] + plan.specs[bucket.stop - 1].nbytes - bucket.offsets[0]
-
-
-def _loadable(model: torch.nn.Module) -> set[str]:
-    """Params a load must fill: the checkpoint-format params vLLM recorded at startup for
-    reloading (params derived after loading, e.g. MLA's W_UK_T, are not among them)."""
-    names = set()
-    for prefix, layer in model.named_modules():
-        recorded, _ = get_layerwise_info(layer).restore_metadata
-        names.update(f"{prefix}.{n}" if prefix else n for n in recorded)
-    return names & {n for n, _ in model.named_parameters()}
-
-
-def _moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The layers holding fused-MoE experts on the CPU (found once: a refit only needs them)."""
-    return [(prefix, module) for prefix, module in model.named_modules()
-            if getattr(module, "w13_weight", None) is not None
-            and module.w13_weight.device.type == "cpu"]
-
-
-def _tied_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, set[str]]]:
-    """Layers with post-load processing whose param is loaded under another layer's name
-    (e.g. an lm_head tied to the embedding): the reload loads the other name only, so this
-    layer's processing (on CPU a prepacked copy of the weight) would go stale."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    tied = []
-    for prefix, module in model.named_modules():
-        if not isinstance(getattr(module, "quant_method", None), QuantizeMethodBase):
-            continue
-        for pname, param in module.named_parameters(recurse=False):
-            own = f"{prefix}.{pname}" if prefix else pname
-            if others := set(names.get(id(param), [])) - {own}:
-                tied.append((module, others))
-    return tied
-
-
-def _redo_cpu_moe_prepack(layers: list[tuple[str, torch.nn.Module]], loaded: set[str]) -> None:
-    """vLLM's CPU fused-MoE kernels keep a prepacked copy of the experts that an in-place
-    reload does not refresh (generation stays silently wrong): redo that prepack, for the
-    layers this refit loaded only (it re-lays out whatever it is given: run on weights it
-    already packed, it would change weights a failed refit never touched)."""
-    for prefix, module in layers:
-        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None),
-                          "fused_experts", None)
-        if experts is not None and {f"{prefix}.w13_weight", f"{prefix}.w2_weight"} & loaded:
-            experts.process_weights_after_loading(module)

@@ -1,0 +1,66 @@
+"""What vLLM's in-place reload leaves to its caller (both apply paths): which params a refit
+must fill, and the post-load work it skips or leaves stale. Only vLLM processes import this."""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+
+class ReloadFixes:
+    """Found once per model (at join): the loadable param names, the CPU fused-MoE layers
+    and the layers whose weight is loaded under another layer's name (a tied lm_head)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.loadable = _loadable(model)
+        self.moe_layers = _moe_layers(model)
+        self.tied = _tied_layers(model)
+
+    def after_load(self, loaded: set[str]) -> None:
+        """For this refit's loads only: redo the CPU fused-MoE prepack the reload skips (it
+        re-lays out whatever it is given, so never on weights a failed refit left packed), and
+        the processing of tied layers (their CPU kernel holds a copy of the tied weight)."""
+        for prefix, module in self.moe_layers:
+            experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel",
+                                      None), "fused_experts", None)
+            if experts is not None and {f"{prefix}.w13_weight", f"{prefix}.w2_weight"} & loaded:
+                experts.process_weights_after_loading(module)
+        for layer, aliases in self.tied:
+            if aliases & loaded:
+                layer.quant_method.process_weights_after_loading(layer)
+
+
+def _loadable(model: torch.nn.Module) -> set[str]:
+    """Params a load must fill: the checkpoint-format params vLLM recorded at startup for
+    reloading (params derived after loading, e.g. MLA's W_UK_T, are not among them)."""
+    names = set()
+    for prefix, layer in model.named_modules():
+        recorded, _ = get_layerwise_info(layer).restore_metadata
+        names.update(f"{prefix}.{n}" if prefix else n for n in recorded)
+    return names & {n for n, _ in model.named_parameters()}
+
+
+def _moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The layers holding fused-MoE experts on the CPU (found once: a refit only needs them)."""
+    return [(prefix, module) for prefix, module in model.named_modules()
+            if getattr(module, "w13_weight", None) is not None
+            and module.w13_weight.device.type == "cpu"]
+
+
+def _tied_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, set[str]]]:
+    """Layers with post-load processing whose param is loaded under another layer's name
+    (e.g. an lm_head tied to the embedding): the reload loads the other name only, so this
+    layer's processing (on CPU a prepacked copy of the weight) would go stale."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    tied = []
+    for prefix, module in model.named_modules():
+        if not isinstance(getattr(module, "quant_method", None), QuantizeMethodBase):
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            own = f"{prefix}.{pname}" if prefix else pname
+            if others := set(names.get(id(param), [])) - {own}:
+                tied.append((module, others))
+    return tied
