@@ -45,7 +45,7 @@ def _corrupting(learn):
     return learn_badly
 
 
-def engine_child(ckpt: str, port: int, corrupt: bool, queue) -> None:
+def engine_child(ckpt: str, port: int, corrupt: bool, queue, read) -> None:
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", REFIT_DISABLE_CPU_AMX="1")
     import common.vllm_backend as backend
     from common.vllm_host import _apply_report, _read_params
@@ -64,6 +64,7 @@ def engine_child(ckpt: str, port: int, corrupt: bool, queue) -> None:
     llm.finish_weight_update(weight_version="1")
     queue.put({"report": llm.collective_rpc(_apply_report)[0],
                "params": llm.collective_rpc(_read_params, args=(None,))[0]})
+    read.wait(60)  # the tensors travel by file descriptor: stay until they are taken
 
 
 @pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "defective"])
@@ -73,8 +74,8 @@ def test_the_map_is_checked_against_the_loaders_and_dropped_when_it_differs(tmp_
     ckpt = initial_checkpoint(Case("qwen3", dp=2), tmp_path / "start")
     state = {n: t * 1.5 for n, t in load_file(f"{ckpt}/model.safetensors").items()}
     port, ctx = free_port(), mp.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=engine_child, args=(ckpt, port, corrupt, queue))
+    queue, read = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=engine_child, args=(ckpt, port, corrupt, queue, read))
     child.start()
     try:
         group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=2, num_trainers=1,
@@ -84,6 +85,7 @@ def test_the_map_is_checked_against_the_loaders_and_dropped_when_it_differs(tmp_
                                                           RefitConfig(bucket_bytes=16 << 10)))
         sender.refit(source, 1)
         got = queue.get(timeout=120)
+        read.set()
         group.destroy()
     finally:
         child.join(timeout=60)
