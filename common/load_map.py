@@ -225,6 +225,13 @@ def tiles_exactly(dst_offsets: np.ndarray, lengths: np.ndarray, loadable: int) -
     return int(lengths.sum()) == loadable and bool(np.all(starts[1:] >= ends[:-1]))
 
 
+def byte_span(first: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """`nbytes` of `first`'s storage from its first byte, as a uint8 tensor (a bucket's bytes
+    from its first received tensor on)."""
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+        first.untyped_storage(), first.storage_offset() * first.itemsize, (nbytes,))
+
+
 class BucketCopy:
     """One bucket's byte runs: source offsets from its first tensor, destination (index into
     the caller's base addresses) and offset, length. `run` copies them all: one native
@@ -260,9 +267,7 @@ class BucketCopy:
         """Scatter kernels over the bucket's bytes, one per copy unit (built on first use;
         rebuilt when the bucket arrives elsewhere: an oversize tensor has its own memory)."""
         if self._kernels is None or self._kernels[0] != first.data_ptr():
-            size = int((self.src + self.nbytes).max())
-            raw = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
-                first.untyped_storage(), first.storage_offset() * first.itemsize, (size,))
+            raw = byte_span(first, int((self.src + self.nbytes).max()))
             units = np.gcd(np.gcd(np.gcd(self.src, self.dst), self.nbytes), 8)
             kernels = []
             for unit in np.unique(units)[::-1]:

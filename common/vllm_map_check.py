@@ -21,6 +21,7 @@ from vllm.model_executor.model_loader.reload.layerwise import (
     initialize_layerwise_reload,
 )
 
+from common.load_map import byte_span
 from common.plan import RefitPlan
 from common.vllm_apply import DirectLoad
 
@@ -34,10 +35,7 @@ class MapCheck:
 
 def keep_payload(items: list[tuple[str, torch.Tensor]], nbytes: int) -> torch.Tensor:
     """A copy of one received bucket: `nbytes` from its first tensor's first byte."""
-    first = items[0][1]
-    raw = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
-        first.untyped_storage(), first.storage_offset() * first.itemsize, (nbytes,))
-    return raw.clone()
+    return byte_span(items[0][1], nbytes).clone()
 
 
 def check_map(direct: DirectLoad, model: torch.nn.Module, kept: dict[int, torch.Tensor],
