@@ -24,56 +24,10 @@ DTYPE = torch.bfloat16
 def build_report(ranks: list[dict[str, Any]], group: RefitGroup, args: argparse.Namespace,
                  lists: dict[str, Shapes]) -> dict[str, Any]:
     """Per method: median over reps of the slowest rank's time (each rank timed itself)."""
-    report: dict[str, Any] = {"shapes": {}}
-    for name, shapes in lists.items():
-        numels = {math.prod(s) for _, s in shapes}
-        nbytes = sum(math.prod(s) for _, s in shapes) * DTYPE.itemsize
-        shape: dict[str, Any] = {
-            "tensors": len(shapes), "dtype": "bfloat16", "total_bytes": nbytes,
-            "numel_per_tensor": numels.pop() if len(numels) == 1 else None,
-            "like": f"{MODELS[name][0]} at scale {args.scale}" if args.models else "synthetic",
-            "methods": {}}
-        for m in (m for m in METHODS if m in ranks[0][name]["times"]):
-            per_rep = [max(r[name]["times"][m][i] for r in ranks)
-                       for i in range(len(ranks[0][name]["times"][m]))]
-            med = statistics.median(per_rep)
-            shape["methods"][m] = {
-                "median_s": round(med, 6), "gbps": round(nbytes / med / 1e9, 3),
-                "reps_s": [round(t, 6) for t in per_rep],
-                "per_rank_median_s": [round(statistics.median(r[name]["times"][m]), 6)
-                                      for r in ranks],
-            }
-        shape["refit_stats"] = {f"rank{r['rank']}_{r['role']}": r[name]["stats"] for r in ranks}
-        report["shapes"][name] = shape
-    t = {n: {m: v["median_s"] for m, v in s["methods"].items()}
-         for n, s in report["shapes"].items()}
-    report["moe_coalesced_speedup_vs_naive"] = round(
-        t["moe"]["naive"] / t["moe"]["coalesced_2buf"], 3)
-    report["moe_double_buffer_time_over_raw"] = round(
-        t["moe"]["coalesced_2buf"] / t["moe"]["raw"], 3)
-    report["dense_double_buffer_time_over_raw"] = round(
-        t["dense"]["coalesced_2buf"] / t["dense"]["raw"], 3)
-    for n in t:
-        # refit bytes/s over raw broadcast bytes/s (the multi-GPU issue's figure)
-        report[f"{n}_double_buffer_fraction_of_ceiling"] = round(
-            t[n]["raw"] / t[n]["coalesced_2buf"], 3)
-        report[f"{n}_single_buffer_time_over_raw"] = round(
-            t[n]["coalesced_1buf"] / t[n]["raw"], 3)
-        if "forwarded_2buf" in t[n]:  # rank 0 the only source vs every owner feeding the group
-            report[f"{n}_forwarded_time_over_owner_fed"] = round(
-                t[n]["forwarded_2buf"] / t[n]["coalesced_2buf"], 3)
-        if "coalesced_3buf" in t[n]:
-            report[f"{n}_triple_buffer_time_over_raw"] = round(
-                t[n]["coalesced_3buf"] / t[n]["raw"], 3)
-    report["hardware"] = {
-        "cpu_model": cpu_model(), "cpu_cores": os.cpu_count(), "machine": platform.machine(),
-        "gpu_name": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-        "gpu_count": torch.cuda.device_count() if args.device == "cuda" else 0,
-        "torch": torch.__version__, "backend": group.backend, "world_size": group.world_size,
-        "num_trainers": group.num_trainers,
-        "native_checks": native.load() is not None,  # else the sender's slower Python path
-        "loadavg_1m_at_end": round(os.getloadavg()[0], 2),  # > cores: others share the box
-    }
+    report: dict[str, Any] = {"shapes": {name: _shape_report(ranks, name, shapes, args)
+                                         for name, shapes in lists.items()}}
+    report.update(_ratios(report))
+    report["hardware"] = _hardware(group, args)
     report["settings"] = {
         "mode": "quick" if args.quick else "full", "bucket_bytes": args.bucket_bytes,
         "warmup": args.warmup, "reps": args.reps, "naive_reps": args.naive_reps,
@@ -88,6 +42,67 @@ def build_report(ranks: list[dict[str, Any]], group: RefitGroup, args: argparse.
         report["note"] = ("world size 1: a 1-GPU NCCL broadcast is a local no-op, so only "
                           "packing/stream/launch overhead is measured, not transfer speed")
     return report
+
+
+def _shape_report(ranks: list[dict[str, Any]], name: str, shapes: Shapes,
+                  args: argparse.Namespace) -> dict[str, Any]:
+    numels = {math.prod(s) for _, s in shapes}
+    nbytes = sum(math.prod(s) for _, s in shapes) * DTYPE.itemsize
+    shape: dict[str, Any] = {
+        "tensors": len(shapes), "dtype": "bfloat16", "total_bytes": nbytes,
+        "numel_per_tensor": numels.pop() if len(numels) == 1 else None,
+        "like": f"{MODELS[name][0]} at scale {args.scale}" if args.models else "synthetic",
+        "methods": {}}
+    for m in (m for m in METHODS if m in ranks[0][name]["times"]):
+        per_rep = [max(r[name]["times"][m][i] for r in ranks)
+                   for i in range(len(ranks[0][name]["times"][m]))]
+        med = statistics.median(per_rep)
+        shape["methods"][m] = {
+            "median_s": round(med, 6), "gbps": round(nbytes / med / 1e9, 3),
+            "reps_s": [round(t, 6) for t in per_rep],
+            "per_rank_median_s": [round(statistics.median(r[name]["times"][m]), 6)
+                                  for r in ranks],
+        }
+    shape["refit_stats"] = {f"rank{r['rank']}_{r['role']}": r[name]["stats"] for r in ranks}
+    return shape
+
+
+def _ratios(report: dict[str, Any]) -> dict[str, float]:
+    """The issue's figures: speed-ups over naive, times over raw, fractions of the ceiling."""
+    out: dict[str, float] = {}
+    t = {n: {m: v["median_s"] for m, v in s["methods"].items()}
+         for n, s in report["shapes"].items()}
+    out["moe_coalesced_speedup_vs_naive"] = round(
+        t["moe"]["naive"] / t["moe"]["coalesced_2buf"], 3)
+    out["moe_double_buffer_time_over_raw"] = round(
+        t["moe"]["coalesced_2buf"] / t["moe"]["raw"], 3)
+    out["dense_double_buffer_time_over_raw"] = round(
+        t["dense"]["coalesced_2buf"] / t["dense"]["raw"], 3)
+    for n in t:
+        # refit bytes/s over raw broadcast bytes/s (the multi-GPU issue's figure)
+        out[f"{n}_double_buffer_fraction_of_ceiling"] = round(
+            t[n]["raw"] / t[n]["coalesced_2buf"], 3)
+        out[f"{n}_single_buffer_time_over_raw"] = round(
+            t[n]["coalesced_1buf"] / t[n]["raw"], 3)
+        if "forwarded_2buf" in t[n]:  # rank 0 the only source vs every owner feeding the group
+            out[f"{n}_forwarded_time_over_owner_fed"] = round(
+                t[n]["forwarded_2buf"] / t[n]["coalesced_2buf"], 3)
+        if "coalesced_3buf" in t[n]:
+            out[f"{n}_triple_buffer_time_over_raw"] = round(
+                t[n]["coalesced_3buf"] / t[n]["raw"], 3)
+    return out
+
+
+def _hardware(group: RefitGroup, args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "cpu_model": cpu_model(), "cpu_cores": os.cpu_count(), "machine": platform.machine(),
+        "gpu_name": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+        "gpu_count": torch.cuda.device_count() if args.device == "cuda" else 0,
+        "torch": torch.__version__, "backend": group.backend, "world_size": group.world_size,
+        "num_trainers": group.num_trainers,
+        "native_checks": native.load() is not None,  # else the sender's slower Python path
+        "loadavg_1m_at_end": round(os.getloadavg()[0], 2),  # > cores: others share the box
+    }
 
 
 def cpu_model() -> str:

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import queue
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -39,6 +36,8 @@ from common.group import RefitGroup, free_port
 from common.packing import BucketLayout, byte_view
 from common.plan import RefitPlan, TensorSpec, align_up
 from common.source import DictWeightSource, WeightSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # recipes.*
 
 # shape -> (tensor count, elements per bf16 tensor)
 SHAPES: dict[str, dict[str, tuple[int, int]]] = {
@@ -272,46 +271,18 @@ def measure(group: RefitGroup, args: argparse.Namespace) -> dict[str, Any] | Non
 RankMain = Callable[[int, int, int, argparse.Namespace], Any]
 
 
-def _child(rank: int, world: int, port: int, args: argparse.Namespace, q: Any,
-           main: RankMain) -> None:
-    try:
-        q.put((rank, "ok", main(rank, world, port, args)))
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        q.put((rank, "error", traceback.format_exc()))
-
-
 def run_ranks(world: int, args: argparse.Namespace, main: RankMain | None = None) -> Any:
     """`main(rank, world, port, args)` on `world` spawned processes; rank 0's result (every
     rank's error, or which ranks gave none, fails the run). Default: this benchmark's ranks."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, args, q, main or rank_main))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + args.deadline
-    try:
-        while len(results) < world and time.monotonic() < deadline:
-            try:
-                rank, status, value = q.get(timeout=1.0)
-                results[rank] = (status, value)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs):
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(results.items()) if s != "ok"]
-    missing = [r for r in range(world) if r not in results]
+    from recipes import rank_runner
+
+    results = rank_runner.run_ranks(main or rank_main, world, args, timeout=args.deadline,
+                                    allow_dead=True, threads=None)
+    errors = [f"rank {r}:\n{v[2]}" for r, (s, v) in sorted(results.items()) if s == "error"]
+    missing = [r for r, (s, _) in sorted(results.items()) if s == "dead"]
     if errors or missing or results[0][1] is None:
         raise SystemExit("benchmark failed:\n" + "\n".join(errors)
-                         + (f"\nranks {missing} gave no result (died or timed out)" if missing
-                            else ""))
+                         + (f"\nranks {missing} gave no result (died)" if missing else ""))
     return results[0][1]
 
 

@@ -24,9 +24,9 @@ from mcore_refit_bench import GPU_VOCAB, gpu_model
 
 def build(moe: bool) -> torch.nn.Module:
     """mcore_refit_bench's GPU model on one rank (TP1 x PP1)."""
-    from recipes.mcore_models import Layout
+    from recipes.mcore_configs import Layout
 
-    return gpu_model(Layout(tp=1, pp=1, ep=1, moe=moe))[0]
+    return gpu_model(Layout("qwen3_moe" if moe else "qwen3"))[0]
 
 
 def timed(fn, reps: int = 5) -> float:
@@ -45,11 +45,11 @@ def bench(moe: bool, group) -> dict:
     from common.broadcast import RefitSender
     from common.config import RefitConfig
     from common.plan import RefitPlan
-    from mcore_refit import MegatronWeightSource, converter_for
+    from mcore_refit import DtypePolicy, MegatronWeightSource, converter_for
 
     model = build(moe)
     source = MegatronWeightSource([model], converter_for("qwen3_moe" if moe else "qwen3"),
-                                  vocab_size=GPU_VOCAB, dtype=torch.bfloat16)
+                                  vocab_size=GPU_VOCAB, policy=DtypePolicy(torch.bfloat16))
     plan = RefitPlan.build(source.plan_specs(), RefitConfig(bucket_bytes=256 << 20))
     nbytes = plan.total_bytes
 

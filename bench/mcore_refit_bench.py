@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 import warnings
 from typing import Any
@@ -36,7 +35,6 @@ from common.config import RefitConfig
 from common.group import RefitGroup, free_port
 from common.plan import RefitPlan
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # recipes.*
 GPU_VOCAB = 32768
 
 
@@ -73,19 +71,20 @@ def trainer_source(rank: int, trainers: int, args: argparse.Namespace) -> Any:
         from recipes import mcore_cpu_shim  # torch.cuda stand-ins megatron-core needs on CPU
 
         mcore_cpu_shim.install()
-    from mcore_refit import MegatronWeightSource, converter_for
-    from recipes import mcore_models
+    from mcore_refit import DtypePolicy, MegatronWeightSource, converter_for
+    from recipes import mcore_configs, mcore_models
 
-    layout = mcore_models.Layout(tp=args.tp, pp=args.pp, ep=args.ep, moe=args.moe)
+    layout = mcore_configs.Layout("qwen3_moe" if args.moe else "qwen3", tp=args.tp, pp=args.pp,
+                                  ep=args.ep)
     dist.init_process_group("gloo" if args.quick else "nccl",
                             init_method=f"tcp://127.0.0.1:{args.train_port}", rank=rank,
                             world_size=trainers,
                             device_id=None if args.quick else torch.device("cuda", rank))
-    mcore_models.setup_parallel(layout)
+    mcore_configs.setup_parallel(layout)
     chunks = mcore_models.build_model(layout) if args.quick else gpu_model(layout)
     vocab = mcore_models.VOCAB if args.quick else GPU_VOCAB
     return MegatronWeightSource(chunks, converter_for(layout.model_type), vocab_size=vocab,
-                                dtype=torch.bfloat16)
+                                policy=DtypePolicy(torch.bfloat16))
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> dict | None:

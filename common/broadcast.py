@@ -26,6 +26,7 @@ import torch
 
 from common import checksum, native
 from common.bucket_check import BucketChecker
+from common.bucket_header import HEADER_BYTES, STATUS_ABORT, STATUS_OK, Header
 from common.errors import (
     RefitAborted,
     RefitCommError,
@@ -38,7 +39,6 @@ from common.plan import Bucket, RefitPlan, align_up
 from common.source import WeightSource
 from common.stats import RefitStats
 from common.transport import Transport
-from common.wire import HEADER_BYTES, STATUS_ABORT, STATUS_OK, Header
 
 log = logging.getLogger(__name__)
 BucketCallback = Callable[[list[tuple[str, torch.Tensor]]], None]
@@ -102,7 +102,7 @@ class RefitSender(_Endpoint):
 
     def __init__(self, group: Transport, plan: RefitPlan) -> None:
         super().__init__(group, plan)
-        self.checker = BucketChecker(plan, group.rank, group.device, group.who)
+        self.checker = BucketChecker(plan, group.rank, group.device, group.label)
         for bucket in plan.buckets:  # the first refit then runs at the speed of the others
             if bucket.source_rank == group.rank and not bucket.direct:
                 self.layouts[bucket.index].warm()
@@ -110,7 +110,7 @@ class RefitSender(_Endpoint):
     @classmethod
     def setup(cls, group: Transport, plan: RefitPlan) -> RefitSender:
         if not group.is_trainer:
-            raise ValueError(f"{group.who} is not a training rank; use RefitReceiver")
+            raise ValueError(f"{group.label} is not a training rank; use RefitReceiver")
         native.load()  # a first build (~25 s) happens here, before the group waits on us
         return cls(group, agree_on_plan(group, plan))
 
@@ -165,7 +165,7 @@ class RefitSender(_Endpoint):
         if dead is not None:
             raise dead  # no status exchange over a dead group
         if it is not None and error is None and next(it, None) is not None:
-            error = RefitError(f"{group.who}: weight source yields more tensors than the plan's "
+            error = RefitError(f"{group.label}: weight source yields more tensors than the plan's "
                                f"{len(plan.specs)}")
         return self.finish(stats, error, t0)
 
@@ -184,7 +184,7 @@ class RefitSender(_Endpoint):
                 else:
                     self.layouts[bucket.index].pack(tensors, ptrs)
             except Exception as e:  # noqa: BLE001 - reported to every rank
-                error = RefitError(f"{group.who}: packing {what} failed: {e}")
+                error = RefitError(f"{group.label}: packing {what} failed: {e}")
         # The header leads the bucket's own buffer, or has a buffer of its own (direct).
         wire = self.headers[slot] if bucket.direct else self.bucket_buffer(bucket)
         if is_src and error is not None:
@@ -224,7 +224,7 @@ class RefitReceiver(_Endpoint):
         """Join the plan handshake; pass `plan` to insist on it, `check` to vet rank 0's plan
         (a mismatch or a refusal fails the setup on every rank)."""
         if group.is_trainer:
-            raise ValueError(f"{group.who} is a training rank; use RefitSender")
+            raise ValueError(f"{group.label} is a training rank; use RefitSender")
         return cls(group, agree_on_plan(group, plan, check))
 
     def owns(self, tensor: torch.Tensor) -> bool:
@@ -274,14 +274,14 @@ class RefitReceiver(_Endpoint):
             if expected is None:
                 stats.version = header.version
                 if version is not None and header.version != version:
-                    error = RefitError(f"{self.group.who}: the trainers sent refit "
+                    error = RefitError(f"{self.group.label}: the trainers sent refit "
                                        f"v{header.version}, this receiver expected v{version}")
             expected = Header(bucket.index, len(buckets), stats.version, plan.digest)
             if why := header.mismatch(expected):
-                raise RefitError(f"{self.group.who}: protocol out of step at bucket "
+                raise RefitError(f"{self.group.label}: protocol out of step at bucket "
                                  f"{bucket.index}: {why}; destroy and rebuild the refit group")
             if header.status != STATUS_OK:
-                error = error or RefitAborted(f"{self.group.who}: sender rank "
+                error = error or RefitAborted(f"{self.group.label}: sender rank "
                                               f"{bucket.source_rank} aborted refit "
                                               f"v{header.version}: {header.message}")
             if error is not None or (error := self._verify(bucket, header, target, stats)):
@@ -292,7 +292,7 @@ class RefitReceiver(_Endpoint):
             try:
                 on_bucket(tensors)
             except Exception as e:  # noqa: BLE001 - reported to every rank at the end
-                error = RefitError(f"{self.group.who}: loading bucket {bucket.index} "
+                error = RefitError(f"{self.group.label}: loading bucket {bucket.index} "
                                    f"({tensors[0][0]!r}..) failed: {type(e).__name__}: {e}")
                 error.__cause__ = e
             stats.load_s += time.perf_counter() - t1
@@ -319,7 +319,7 @@ class RefitReceiver(_Endpoint):
         if got == header.checksum:
             return None
         specs = self.plan.bucket_specs(bucket)
-        return RefitError(f"{self.group.who}: refit v{header.version} bucket {bucket.index}/"
+        return RefitError(f"{self.group.label}: refit v{header.version} bucket {bucket.index}/"
                           f"{len(self.plan.buckets)} arrived corrupted ({bucket.nbytes} bytes of "
                           f"{specs[0].name!r}..{specs[-1].name!r}): "
                           f"{checksum.name(self.group.device)} {got:#010x}, the sender's "
@@ -333,7 +333,7 @@ class RefitReceiver(_Endpoint):
             on_done()
         except Exception as e:  # noqa: BLE001 - reported to every rank
             if error is None:
-                error = RefitError(f"{self.group.who}: finishing refit v{stats.version} "
+                error = RefitError(f"{self.group.label}: finishing refit v{stats.version} "
                                    f"failed: {type(e).__name__}: {e}")
                 error.__cause__ = e
         stats.post_s = time.perf_counter() - t1

@@ -42,9 +42,9 @@ def check_tensor(spec: TensorSpec, name: str, tensor: torch.Tensor | None) -> st
 class BucketChecker:
     """Per training rank: the expected names, dtypes and shapes of the buckets it sends."""
 
-    def __init__(self, plan: RefitPlan, rank: int, device: torch.device, who: str,
+    def __init__(self, plan: RefitPlan, rank: int, device: torch.device, label: str,
                  use_native: bool = True) -> None:
-        self.plan, self.rank, self.who = plan, rank, who
+        self.plan, self.rank, self.label = plan, rank, label
         mine = [b for b in plan.buckets if b.source_rank == rank]
         module = native.load() if use_native else None
         self.scans = {} if module is None else {
@@ -73,7 +73,7 @@ class BucketChecker:
             return list(map(_SECOND, items)), None
         for i, (spec, (name, tensor)) in enumerate(zip(specs, items, strict=True)):
             if why := check_tensor(spec, name, tensor):
-                raise TensorMismatchError(f"{self.who}: refit v{version} bucket "
+                raise TensorMismatchError(f"{self.label}: refit v{version} bucket "
                                           f"{bucket.index} tensor #{bucket.start + i} {why}")
         return list(map(_SECOND, items)), None  # a mismatch only the native scan saw
 

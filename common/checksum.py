@@ -15,7 +15,7 @@ import zlib
 import torch
 
 from common import hash_kernel
-from common.wire import CHECKSUM_OFFSET
+from common.bucket_header import CHECKSUM_OFFSET
 
 
 def supported(device: torch.device) -> bool:

@@ -6,6 +6,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from common.errors import RefitError
+
 
 def boolean(raw: str) -> bool:
     """1 / 0, true / false, yes / no, on / off."""
@@ -25,7 +27,7 @@ _ENV = {
 }
 
 
-class RefitConfigError(ValueError):
+class RefitConfigError(RefitError, ValueError):
     """A refit setting that cannot work (names the setting and the value)."""
 
 

@@ -26,3 +26,8 @@ class TensorMismatchError(RefitError):
 
 class RefitAborted(RefitError):
     """The sending rank aborted this refit before a bucket was sent; nothing of it was loaded."""
+
+
+class ConversionError(RefitError, LookupError):
+    """No conversion is known: a training tensor without a rule, a model type without a
+    converter, or a plan tensor the model does not hold (the message names it)."""

@@ -114,7 +114,7 @@ class RefitGroup(Transport):
                 self._pg = dist.ProcessGroupGloo(self._data_store, rank, world_size, timeout)
         except Exception as e:  # noqa: BLE001 - rewrap with who/where
             raise self.join_error(e) from e
-        log.info("%s joined refit group %r (%s, world %d) in %.2fs", self.who, name,
+        log.info("%s joined refit group %r (%s, world %d) in %.2fs", self.label, name,
                  self.backend, world_size, time.perf_counter() - t0)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> dist.Work:

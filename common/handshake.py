@@ -68,7 +68,7 @@ def agree_on_plan(
     failed = {r: s.decode(errors="replace") for r, s in enumerate(statuses) if s}
     if failed:
         lines = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-        raise PlanMismatchError(f"{group.who}: refit plan mismatch at setup: {lines}")
+        raise PlanMismatchError(f"{group.label}: refit plan mismatch at setup: {lines}")
     group.timeout_s = theirs.config.timeout_s  # the join timeout covered the rendezvous
     return theirs
 
@@ -100,10 +100,10 @@ def exchange_status(group: Transport, stats: RefitStats, error: BaseException | 
     if error is not None:
         if isinstance(error, RefitError):
             raise type(error)(f"{error}{note}") from error
-        raise RefitError(f"{group.who}: refit v{stats.version} failed: {mine}{note}") from error
+        raise RefitError(f"{group.label}: refit v{stats.version} failed: {mine}{note}") from error
     if failed:
         lines = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-        raise RefitAborted(f"{group.who}: refit v{stats.version} did not land "
+        raise RefitAborted(f"{group.label}: refit v{stats.version} did not land "
                            f"(failed on {sorted(failed)}): {lines}{note}")
-    log.info("%s %s", group.who, stats.summary())
+    log.info("%s %s", group.label, stats.summary())
     return stats

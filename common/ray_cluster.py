@@ -27,6 +27,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.broadcast import RefitSender
+from common.errors import RefitError
 from common.group import RefitGroup, free_port
 from common.plan import RefitPlan
 from common.source import WeightSource
@@ -153,7 +154,7 @@ class TrainerActor(ABC):
             dist.destroy_process_group()
 
 
-class TrainerFailure(RuntimeError):
+class TrainerFailure(RefitError):
     """A trainer actor died or raised during a call; the message names its rank."""
 
 

@@ -64,7 +64,7 @@ class ShmTransport(Transport):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         if self.device.type != "cpu":
-            raise ValueError(f"{self.who}: ShmTransport moves CPU tensors, not {self.device}")
+            raise ValueError(f"{self.label}: ShmTransport moves CPU tensors, not {self.device}")
         self._seq = 0
         self._segments: dict[int, shared_memory.SharedMemory] = {}
         store, keys = self._data_store, [f"pid/{r}" for r in range(self.world_size)]

@@ -7,6 +7,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from common.dtype_policy import DtypePolicy
 from common.plan import RefitPlan, TensorSpec
 
 
@@ -30,24 +31,25 @@ class WeightSource(Protocol):
 class DictWeightSource:
     """A weight source over a dict of full tensors (replicated or held by `source_rank`).
 
-    `dtypes` declares the dtype the receiver must get for some names (e.g. bf16 for weights,
-    fp32 for a router bias); the tensor is cast to it when yielded. Names not listed keep the
-    dtype the tensor has when the specs are listed.
+    `policy` declares the dtype the receiver gets (`common.dtype_policy`); by default every
+    tensor keeps the dtype it has when the specs are listed. A tensor is cast by the policy
+    when yielded.
     """
 
     def __init__(
         self,
         tensors: Mapping[str, torch.Tensor],
-        dtypes: Mapping[str, torch.dtype] | None = None,
+        policy: DtypePolicy | None = None,
         source_rank: int = 0,
     ) -> None:
         self.tensors = tensors
-        self.dtypes = dict(dtypes or {})
+        self.policy = policy or DtypePolicy.as_given()
         self.source_rank = source_rank
 
     def plan_specs(self) -> list[TensorSpec]:
         return [
-            TensorSpec(name, tuple(t.shape), self.dtypes.get(name, t.dtype), self.source_rank)
+            TensorSpec(name, tuple(t.shape), self.policy.dtype_for(name, t.dtype),
+                       self.source_rank)
             for name, t in self.tensors.items()
         ]
 
@@ -56,10 +58,11 @@ class DictWeightSource:
         item is a visible share of an NVLink refit."""
         names = [spec.name for spec in plan.specs]
         tensors = map(self.tensors.get, names)
-        if self.dtypes:
+        if self.policy != DtypePolicy.as_given():
             tensors = map(self._declared, names, tensors)
         return zip(names, tensors, strict=True)
 
     def _declared(self, name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        dtype = self.dtypes.get(name)
-        return tensor if dtype is None or tensor is None else tensor.to(dtype)
+        """Cast as the policy declares it (from the tensor's own dtype, so a tensor that
+        drifted from its plan dtype still fails the sender's check)."""
+        return tensor if tensor is None else tensor.to(self.policy.dtype_for(name, tensor.dtype))

@@ -1,7 +1,7 @@
 """What the refit protocol needs from the byte mover, and what every transport shares.
 
 `RefitSender` / `RefitReceiver` (and the plan handshake) use only this interface: who this
-rank is, `broadcast` a tensor from a source rank (asynchronous) and `wait` for it,
+rank is (`label`), `broadcast` a tensor from a source rank (asynchronous) and `wait` for it,
 `broadcast_bytes` / `all_gather_bytes` for the handshake and the end-of-refit status, and
 `destroy`. A transport supplies the byte moving (`broadcast`, `_wait_for`, `_abandon`); the
 control plane is shared: ranks 0..T-1 train, the others infer; rank 0 hosts a TCPStore that
@@ -25,13 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common.errors import RefitCommError
+from common.errors import RefitCommError, RefitError
 
 ABORT_POLL_S = 0.25  # how often a waiting rank looks for another rank's abort record
 _ABORT_KEY = "abort"
 
 
-class Abandoned(Exception):
+class Abandoned(RefitError):
     """Another rank's abort record (or the store's death) ended this rank's wait."""
 
 
@@ -71,7 +71,7 @@ class Transport(ABC):
         self._control = dist.PrefixStore(f"refit/{name}/control/", self._store)
 
     def join_error(self, e: BaseException) -> RefitCommError:
-        return RefitCommError(f"{self.who}: could not join refit group {self.name!r} at "
+        return RefitCommError(f"{self.label}: could not join refit group {self.name!r} at "
                               f"{self.host}:{self.port} within {self.timeout_s:.0f}s: {e}")
 
     @property
@@ -79,7 +79,7 @@ class Transport(ABC):
         return self.rank < self.num_trainers
 
     @property
-    def who(self) -> str:
+    def label(self) -> str:
         role = "trainer" if self.is_trainer else "receiver"
         return f"refit rank {self.rank}/{self.world_size} ({role})"
 
@@ -108,14 +108,14 @@ class Transport(ABC):
         """Finish `work` within the timeout or raise `RefitCommError` saying what it was,
         how long it waited and which rank failed first (the abort record)."""
         if self.aborted is not None:
-            raise RefitCommError(f"{self.who}: {what} refused: the refit group was abandoned "
+            raise RefitCommError(f"{self.label}: {what} refused: the refit group was abandoned "
                                  f"({self.aborted}); destroy and rebuild it")
         t0 = time.monotonic()
         try:
             self._wait_for(work, t0 + self.timeout_s)
         except Abandoned as e:
             self._abandon(work, str(e))
-            raise RefitCommError(f"{self.who}: {what} abandoned after "
+            raise RefitCommError(f"{self.label}: {what} abandoned after "
                                  f"{time.monotonic() - t0:.1f}s: {e}{self.members()}") from None
         except Exception as e:  # noqa: BLE001 - rewrap with who/where, tell the others
             cause = clean(e) or type(e).__name__
@@ -124,7 +124,7 @@ class Transport(ABC):
             if earlier is None:
                 self.post_abort(f"{what}: {cause}")
             raise RefitCommError(
-                f"{self.who}: {what} failed after {time.monotonic() - t0:.1f}s "
+                f"{self.label}: {what} failed after {time.monotonic() - t0:.1f}s "
                 f"(timeout {self.timeout_s:.0f}s; a peer probably died or left the refit"
                 f"{self.members()}): {cause}" + (f"; {earlier}" if earlier else "")
             ) from e
@@ -135,7 +135,7 @@ class Transport(ABC):
 
     def post_abort(self, cause: str) -> None:
         """Write this rank's failure as the group's abort record, unless one is there."""
-        record = json.dumps({"who": self.who, "cause": cause})
+        record = json.dumps({"rank": self.label, "cause": cause})
         with contextlib.suppress(Exception):  # a dead store: the others notice it themselves
             self._control.compare_set(_ABORT_KEY, "", record)
 
@@ -148,7 +148,7 @@ class Transport(ABC):
         except Exception as e:  # noqa: BLE001 - the store's host died or left
             return (f"the refit group's store stopped answering ({clean(e)}): refit rank 0 "
                     f"(trainer), which hosts it, probably died")
-        return f"{record['who']} failed first: {record['cause']}"
+        return f"{record['rank']} failed first: {record['cause']}"
 
     def members(self) -> str:
         """The ranks of `rank_names` as runs (e.g. `; peers: ranks 2-3 engine X`), or ""."""

@@ -123,7 +123,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         self.fixes = ReloadFixes(self.model)
         self._bucket_of = {plan.specs[b.start].name: b.index for b in plan.buckets
                            if b.stop > b.start}
-        log.info("%s: joined with plan %s (%d tensors, %d buckets)", group.who,
+        log.info("%s: joined with plan %s (%d tensors, %d buckets)", group.label,
                  plan.digest[:12], len(plan.specs), len(plan.buckets))
 
     def _check_plan(self, plan: RefitPlan) -> str | None:
@@ -235,7 +235,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             self.apply_report["last_refit"] = {**direct.times, "post_s": stats.post_s}
         path = "direct" if direct is not None else "load_weights"
         log.info("%s: refit v%d landed in %.1f ms via %s (wait %.1f ms, load %.1f ms)",
-                 self.receiver.group.who, version, (time.perf_counter() - t0) * 1e3, path,
+                 self.receiver.group.label, version, (time.perf_counter() - t0) * 1e3, path,
                  stats.wait_s * 1e3, stats.load_s * 1e3)
 
     def _check_unchanged(self, held: dict[str, torch.Tensor], loaded: set[str],
@@ -251,7 +251,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                                f"params differ from what the trainers sent, e.g. "
                                f"{differ[:3]} ({unreadable} params cannot be read here)")
         log.info("%s: verify v%d: %d readable params hold what the trainers sent (%d params "
-                 "cannot be read)", self.receiver.group.who, version, len(held), unreadable)
+                 "cannot be read)", self.receiver.group.label, version, len(held), unreadable)
 
     def _pick_path(self) -> tuple[DirectLoad | None, CopyRecorder | None]:
         """The learned map to apply this refit with, or a recorder to learn it from this
@@ -262,11 +262,11 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             why = self.direct.stale()
             if why is None:
                 return self.direct, None
-            log.warning("%s: relearning the load map: %s", self.receiver.group.who, why)
+            log.warning("%s: relearning the load map: %s", self.receiver.group.label, why)
             self.direct = None
         if native.load() is None:
             log.warning("%s: no native memcpy here: every refit uses load_weights",
-                        self.receiver.group.who)
+                        self.receiver.group.label)
             self.apply_report["path"] = "load_weights"
             return None, None
         return None, CopyRecorder({m: p for p, m in self.model.named_modules()})
@@ -274,16 +274,16 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
     def _learn(self, recorder: CopyRecorder, kept: dict[int, torch.Tensor] | None) -> None:
         """Build the map from the refit `recorder` watched and check it against that refit's
         loads (`kept` bytes; None: REFIT_VERIFY_MAP=0); a failure keeps `load_weights`."""
-        t0, who = time.perf_counter(), self.receiver.group.who
+        t0, label = time.perf_counter(), self.receiver.group.label
         try:
             self.direct = learn(self.model, self.receiver.plan, recorder)
         except Exception:  # noqa: BLE001 - the refit itself landed
-            log.exception("%s: learning the load map failed; staying on load_weights", who)
+            log.exception("%s: learning the load map failed; staying on load_weights", label)
             return
         r = self.direct.report
         self.apply_report.update(r, learn_s=time.perf_counter() - t0)
         log.info("%s: load map learned: %d tensors (%.1f MB) copied directly, %d (%.1f MB) "
-                 "through load_weights%s", who, r["direct_tensors"], r["direct_bytes"] / 1e6,
+                 "through load_weights%s", label, r["direct_tensors"], r["direct_bytes"] / 1e6,
                  r["fallback_tensors"], r["fallback_bytes"] / 1e6,
                  f", because: {r['fallback_reasons']}" if r["fallback_tensors"] else "")
         if kept is not None:
@@ -292,7 +292,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
     def _check_map(self, kept: dict[int, torch.Tensor]) -> None:
         """The map re-applies the learning refit's bytes; any difference drops it (and the
         bytes are loaded again through the loaders: the engine ends on their result)."""
-        t0, who = time.perf_counter(), self.receiver.group.who
+        t0, label = time.perf_counter(), self.receiver.group.label
 
         try:
             check = check_map(self.direct, self.model, kept, self.fixes.after_load)
@@ -304,10 +304,10 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             self.apply_report.update(verified=check.compared, unreadable=check.unreadable,
                                      check_s=time.perf_counter() - t0)
             log.info("%s: load map checked: %d params bit for bit as the loaders left them "
-                     "(%d filled params unreadable)", who, check.compared, check.unreadable)
+                     "(%d filled params unreadable)", label, check.compared, check.unreadable)
             return
         log.error("%s: the load map does not reproduce load_weights (%s); every refit stays "
-                  "on load_weights", who, why)
+                  "on load_weights", label, why)
         self.direct = None
         self.apply_report = {"path": "load_weights", "map_rejected": why}
         reload_kept(self.model, self.receiver.plan, kept, self.model_config,

@@ -13,11 +13,13 @@ them (`expert_sources="owner"`, the default; "gather" sends them from one rank).
 
 Optionally, before joining: `compare_with_checkpoint(source.plan_specs(),
 checkpoint_specs(base_model_dir))` lists every name / shape the engine's checkpoint disagrees on.
+`DtypePolicy` is `common.dtype_policy.DtypePolicy` (one policy for every weight source),
+re-exported here where it was first public.
 """
 
+from common.dtype_policy import DtypePolicy
 from dtensor_refit.checkpoint import checkpoint_specs, compare_with_checkpoint
 from dtensor_refit.layout import LayoutError, model_entries
-from dtensor_refit.policy import DtypePolicy
 from dtensor_refit.source import DTensorWeightSource, reshard_fsdp
 
 __all__ = [

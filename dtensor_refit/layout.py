@@ -15,12 +15,13 @@ import logging
 
 import torch
 
+from common.errors import RefitError
 from dtensor_refit.names import Entry, expert_entry, hf_model, strip_wrappers, tied_names
 
 log = logging.getLogger(__name__)
 
 
-class LayoutError(ValueError):
+class LayoutError(RefitError, ValueError):
     """The model's tensors do not map onto the checkpoint names transformers would save."""
 
 

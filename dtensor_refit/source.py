@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from common.dtype_policy import DtypePolicy
+from common.errors import ConversionError
 from common.plan import RefitPlan, TensorSpec, dtype_from_name, dtype_name
 from dtensor_refit import experts, stages
 from dtensor_refit.layout import LayoutError, model_entries
 from dtensor_refit.names import Entry, split_experts
-from dtensor_refit.policy import DtypePolicy
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,8 @@ class DTensorWeightSource:
             where = self._where.get(spec.name)
             if where is None:
                 if spec.name not in self._known:
-                    raise KeyError(f"plan tensor {spec.name!r} is not a tensor of this model")
+                    raise ConversionError(f"plan tensor {spec.name!r} is not a tensor of this "
+                                          f"model")
                 yield spec.name, None  # another stage's tensor
                 continue
             i, j = where

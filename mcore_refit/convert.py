@@ -17,6 +17,8 @@ from typing import Literal
 
 import torch
 
+from common.errors import ConversionError
+
 Cut = Literal["whole", "qkv", "gate_up", "trim_vocab"]  # trim_vocab: drop padding rows
 
 
@@ -34,14 +36,13 @@ class Dims:
 class Rule:
     """`pattern` (with `{L}` layer / `{E}` expert fields) becomes `targets` via `cut`.
 
-    `keep_fp32=True` declares the output fp32 whatever the refit dtype is (router expert bias:
-    a bf16 bias routes tokens to the wrong experts). An empty `targets` skips the tensor.
+    An empty `targets` skips the tensor. Dtypes are not the rule's business: the source's
+    `DtypePolicy` declares them by HF name (so the router bias stays fp32 there, once).
     """
 
     pattern: str
     targets: tuple[str, ...]
     cut: Cut = "whole"
-    keep_fp32: bool = False
 
     def regex(self) -> re.Pattern[str]:
         body = re.escape(self.pattern).replace(r"\{L\}", r"(?P<L>\d+)")
@@ -88,7 +89,6 @@ class Target:
 
     name: str
     shape: tuple[int, ...]
-    keep_fp32: bool
 
 
 class Converter:
@@ -113,7 +113,8 @@ class Converter:
     def _rule(self, mcore_name: str) -> tuple[Rule, dict[str, str]]:
         found = self.match(mcore_name)
         if found is None:
-            raise KeyError(f"{self.name}: no conversion rule for Megatron tensor {mcore_name!r}")
+            raise ConversionError(f"{self.name}: no conversion rule for Megatron tensor "
+                                  f"{mcore_name!r}")
         return found
 
     def targets(self, mcore_name: str, full_shape: tuple[int, ...], d: Dims) -> list[Target]:
@@ -124,7 +125,7 @@ class Converter:
         if len(shapes) != len(rule.targets):
             raise ValueError(f"{mcore_name}: cut {rule.cut} gives {len(shapes)} tensors, "
                              f"rule names {len(rule.targets)}")
-        return [Target(t.format(**fields), s, rule.keep_fp32)
+        return [Target(t.format(**fields), s)
                 for t, s in zip(rule.targets, shapes, strict=True)]
 
     def convert(self, mcore_name: str, full: torch.Tensor, d: Dims) -> list[torch.Tensor]:

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from common.dtype_policy import DtypePolicy
+from common.errors import ConversionError
 from common.plan import RefitPlan, TensorSpec
 from mcore_refit import names
 from mcore_refit.convert import Converter, Dims, Target
@@ -59,20 +61,23 @@ class _Unit:
 class MegatronWeightSource:
     """Gathers and converts a Megatron-Core model (list of virtual-pipeline chunks) to HF.
 
-    `dtype` is the declared output dtype of every weight except those the converter marks fp32
-    (router expert bias). `vocab_size` is the true vocabulary; padded rows are dropped.
+    `policy` declares each HF tensor's output dtype (`common.dtype_policy`; default bf16 with
+    the router expert bias fp32); it needs a `dtype` (every Megatron param is floating).
+    `vocab_size` is the true vocabulary; padded rows are dropped.
     Tied embeddings (`share_embeddings_and_output_weights`) send no `lm_head`.
     Construct on every training rank at the same time: it runs one metadata exchange.
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module] | torch.nn.Module,
                  converter: Converter, *, vocab_size: int,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 policy: DtypePolicy | None = None) -> None:
         if isinstance(chunks, torch.nn.Module):
             chunks = [chunks]
         self.chunks = list(chunks)
         self.converter = converter
-        self.dtype = dtype
+        self.policy = policy or DtypePolicy()
+        if self.policy.dtype is None:
+            raise ValueError("MegatronWeightSource needs a DtypePolicy with a dtype")
         inner = [names.unwrap(c) for c in self.chunks]
         cfg = inner[0].config
         heads = cfg.num_attention_heads
@@ -133,8 +138,8 @@ class MegatronWeightSource:
             probe = found[0].format(E=0) if found else name
             if self.converter.match(probe) is None:
                 if is_param:
-                    raise KeyError(f"{self.converter.name}: no conversion rule for "
-                                   f"Megatron parameter {probe!r} (from {raw!r})")
+                    raise ConversionError(f"{self.converter.name}: no conversion rule for "
+                                          f"Megatron parameter {probe!r} (from {raw!r})")
                 continue  # non-weight buffers (rotary tables, token counters)
             is_tp = bool(getattr(tensor, "tensor_model_parallel", False))
             dim = int(getattr(tensor, "partition_dim", 0)) if is_tp else 0
@@ -177,7 +182,7 @@ class MegatronWeightSource:
             source = self.first_rank[unit.stage]
             for member in unit.targets:
                 for t in member:
-                    dtype = torch.float32 if t.keep_fp32 else self.dtype
+                    dtype = self.policy.dtype_for(t.name, self.policy.dtype)
                     specs.append(TensorSpec(t.name, t.shape, dtype, source))
         return specs
 
@@ -206,15 +211,15 @@ class MegatronWeightSource:
         out = []
         for name, full, member in zip(canonical, fulls, unit.targets, strict=True):
             pieces = self.converter.convert(name, full, self.dims)
-            out.append([p.to(torch.float32 if t.keep_fp32 else self.dtype)
+            out.append([p.to(self.policy.dtype_for(t.name, self.policy.dtype))
                         for p, t in zip(pieces, member, strict=True)])
         return out
 
     def iter_tensors(self, plan: RefitPlan) -> Iterator[tuple[str, torch.Tensor | None]]:
         missing = [s.name for s in plan.specs if s.name not in self._where]
         if missing:
-            raise KeyError(f"plan names tensors this Megatron model does not have: "
-                           f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            raise ConversionError(f"plan names tensors this Megatron model does not have: "
+                                  f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
         cache: dict[int, list[list[torch.Tensor]] | None] = {}
         left: dict[int, int] = {}
         for spec in plan.specs:

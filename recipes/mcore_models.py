@@ -1,100 +1,30 @@
-"""Tiny Megatron GPT models that vLLM's CPU kernels can serve: build, train, run; HF configs.
+"""The recipes' tiny Megatron GPT models (configs in `recipes.mcore_configs`, SERVABLE sizes):
+train them over the pipeline, score them, fill them with distinguishable random weights.
 
 Dense: Qwen3-like (q/k norms, GQA, gated SiLU MLP). MoE: Qwen3-MoE (every layer MoE, top-2 of 4
-experts, softmax router). head_dim 32 (vLLM CPU attention needs >= 32). Megatron holds a padded
-vocabulary (PADDED_VOCAB rows); the refit sends the true VOCAB rows only.
+experts, softmax router).
 """
 
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-VOCAB, PADDED_VOCAB, MAX_POS = 192, 256, 128
-HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN, LAYERS = 128, 4, 2, 32, 256, 4
-EXPERTS, TOPK, MOE_FFN = 4, 2, 64
+from recipes.mcore_configs import SERVABLE, Layout, build_chunks
+
+# the recipes' models are SERVABLE-sized; the training loop's shapes
+VOCAB, HIDDEN, MAX_POS = SERVABLE.vocab, SERVABLE.hidden, SERVABLE.max_pos
 SEQ, MICRO, MICROBATCHES, LR = 32, 2, 2, 3e-3
 
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 2
-    pp: int = 2
-    ep: int = 1
-    moe: bool = False
-
-    @property
-    def model_type(self) -> str:
-        return "qwen3_moe" if self.moe else "qwen3"
-
-    @property
-    def label(self) -> str:
-        return f"{self.model_type} TP{self.tp}xPP{self.pp}" + (f"xEP{self.ep}" if self.moe else "")
-
-
-DENSE = Layout(tp=2, pp=2)
-MOE = Layout(tp=1, pp=2, ep=2, moe=True)  # MoE+TP training needs sequence parallel (TE only)
-
-
-def setup_parallel(layout: Layout, seed: int = 1234) -> None:
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
-                                 pipeline_model_parallel_size=layout.pp,
-                                 expert_model_parallel_size=layout.ep)
-    model_parallel_cuda_manual_seed(seed)
-
-
-def megatron_config(layout: Layout) -> Any:
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    kw: dict[str, Any] = {}
-    if layout.moe:
-        kw = dict(num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN,
-                  moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
-                  expert_model_parallel_size=layout.ep)
-    return TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-        num_query_groups=GROUPS, kv_channels=HEAD_DIM, ffn_hidden_size=FFN,
-        use_cpu_initialization=True, normalization="RMSNorm", layernorm_epsilon=1e-6,
-        gated_linear_unit=True, add_bias_linear=False, activation_func=torch.nn.functional.silu,
-        qk_layernorm=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        hidden_dropout=0.0, attention_dropout=0.0, **kw)
+DENSE = Layout("qwen3", tp=2, pp=2)
+MOE = Layout("qwen3_moe", tp=1, pp=2, ep=2)  # MoE+TP training needs sequence parallel (TE only)
 
 
 def build_model(layout: Layout) -> list[torch.nn.Module]:
-    """This rank's model chunk (no virtual pipeline), fp32 master weights on CPU."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    spec = get_gpt_layer_local_spec(num_experts=EXPERTS if layout.moe else None,
-                                    qk_layernorm=True, normalization="RMSNorm")
-    return [GPTModel(megatron_config(layout), spec, vocab_size=PADDED_VOCAB,
-                     max_sequence_length=MAX_POS, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(), parallel_output=True,
-                     share_embeddings_and_output_weights=False,
-                     position_embedding_type="rope", rotary_base=10000)]
-
-
-def hf_config(layout: Layout) -> Any:
-    import transformers
-
-    kw: dict[str, Any] = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HEAD_DIM,
-        max_position_embeddings=MAX_POS, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    if layout.moe:
-        kw.update(num_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=MOE_FFN,
-                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
-    return transformers.AutoConfig.for_model(layout.model_type, **kw)
+    """This rank's model chunk for training (vocab-parallel logits), fp32 on CPU."""
+    return build_chunks(layout, parallel_output=True)
 
 
 def wrap_for_training(chunks: list[torch.nn.Module]) -> tuple[list[torch.nn.Module], object]:

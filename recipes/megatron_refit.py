@@ -40,17 +40,15 @@ from common.engine_client import PAUSE_MODES, EngineClient, EngineFleet  # noqa:
 from common.group import RefitGroup, free_port  # noqa: E402
 from common.plan import RefitPlan  # noqa: E402
 from recipes.engines import KINDS, greedy, open_engine, replayed_batches  # noqa: E402
+from recipes.mcore_configs import Layout, hf_config, setup_parallel  # noqa: E402
 from recipes.mcore_models import (  # noqa: E402
     DENSE,
     MOE,
     VOCAB,
-    Layout,
     build_model,
     dp_share,
-    hf_config,
     megatron_logprobs,
     randomise,
-    setup_parallel,
     train_step,
     wrap_for_training,
 )
@@ -183,7 +181,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build(layout: Layout):
     """Every rank: its Megatron chunk (randomised), optimizer, weight source and the plan."""
-    from mcore_refit import MegatronWeightSource, converter_for
+    from mcore_refit import DtypePolicy, MegatronWeightSource, converter_for
 
     t0 = time.perf_counter()
     setup_parallel(layout)
@@ -191,7 +189,7 @@ def build(layout: Layout):
     randomise(chunks, seed=7)
     model, opt = wrap_for_training(chunks)
     source = MegatronWeightSource(model, converter_for(layout.model_type), vocab_size=VOCAB,
-                                  dtype=torch.bfloat16)
+                                  policy=DtypePolicy(torch.bfloat16))
     config = RefitConfig.from_env(bucket_bytes=256 << 10, num_buffers=2, timeout_s=120)
     plan = RefitPlan.build(source.plan_specs(), config)
     log(f"{layout.label} on {dist.get_world_size()} ranks built in "

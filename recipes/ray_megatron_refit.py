@@ -35,16 +35,10 @@ class MegatronTrainer(TrainerActor):
     def build(self):
         import warnings
 
-        from mcore_refit import MegatronWeightSource, converter_for
+        from mcore_refit import DtypePolicy, MegatronWeightSource, converter_for
         from recipes import mcore_cpu_shim
-        from recipes.mcore_models import (
-            DENSE,
-            MOE,
-            build_model,
-            randomise,
-            setup_parallel,
-            wrap_for_training,
-        )
+        from recipes.mcore_configs import setup_parallel
+        from recipes.mcore_models import DENSE, MOE, build_model, randomise, wrap_for_training
 
         warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
         mcore_cpu_shim.install()  # torch.cuda stand-ins megatron-core needs on CPU
@@ -55,7 +49,7 @@ class MegatronTrainer(TrainerActor):
         self.model, self.opt = wrap_for_training(chunks)
         self.step = 0
         return MegatronWeightSource(self.model, converter_for(self.layout.model_type),
-                                    vocab_size=VOCAB, dtype=torch.bfloat16)
+                                    vocab_size=VOCAB, policy=DtypePolicy(torch.bfloat16))
 
     def save_checkpoint(self, path: str) -> None:
         """Every rank gathers; rank 0 writes the HF checkpoint the engines start from."""

@@ -23,7 +23,8 @@ from common.errors import (
 from common.group import RefitGroup, free_port
 from common.plan import RefitPlan, TensorSpec
 from common.source import DictWeightSource
-from tests.multiproc import expect_ok, outcome, receive_all, run_ranks
+from recipes.rank_runner import run_ranks
+from tests.multiproc import expect_ok, outcome, receive_all
 
 TRAINERS = 2
 

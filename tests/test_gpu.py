@@ -9,7 +9,8 @@ from common.broadcast import RefitSender
 from common.config import RefitConfig
 from common.group import RefitGroup, free_port
 from common.plan import RefitPlan
-from tests.multiproc import GatheringSource, expect_ok, run_ranks
+from recipes.rank_runner import run_ranks
+from tests.multiproc import GatheringSource, expect_ok
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MIB = 1 << 20
@@ -219,7 +220,7 @@ def test_a_cuda_refit_stamps_each_bucket_header_with_its_payload_hash() -> None:
     """NCCL, world size 1 (the sender's side): checksum on, every bucket still in a buffer
     carries the hash of the bytes it holds, computed on the device without a host sync."""
     from common import checksum
-    from common.wire import HEADER_BYTES, Header
+    from common.bucket_header import HEADER_BYTES, Header
 
     group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
                        num_trainers=1, timeout_s=60)

@@ -5,11 +5,13 @@ packages cannot be imported at all (a meta-path finder refuses them):
   which run inside vLLM processes, import vllm);
 - the DTensor path never imports megatron (nor vllm);
 - the Megatron converters' rule tables import without megatron-core (the source imports it
-  when first used) and without vllm.
+  when first used) and without vllm;
+- tests import the recipes' fixtures, never the reverse: nothing outside `tests/` imports it.
 """
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +50,22 @@ def test_modules_import_without_the_packages_they_must_not_need(case: str) -> No
     assert len(modules) >= 3
     done = _import_without(blocked, modules)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _imported_roots(path: Path) -> set[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_nothing_outside_tests_imports_the_tests() -> None:
+    files = [p for d in ("common", "dtensor_refit", "mcore_refit", "recipes", "bench")
+             for p in (ROOT / d).rglob("*.py")]
+    assert len(files) > 50 and any(p.name == "rank_runner.py" for p in files)
+    offenders = sorted(str(p.relative_to(ROOT)) for p in files if "tests" in _imported_roots(p))
+    assert not offenders, f"these import from tests/: {offenders}"
+

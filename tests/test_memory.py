@@ -14,7 +14,8 @@ from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
 from common.group import RefitGroup
 from common.plan import RefitPlan
-from tests.multiproc import GatheringSource, expect_ok, run_ranks
+from recipes.rank_runner import run_ranks
+from tests.multiproc import GatheringSource, expect_ok
 
 MIB = 1 << 20
 BUCKET = 8 * MIB

@@ -28,7 +28,8 @@ from common.config import RefitConfig
 from common.group import RefitGroup, free_port
 from common.plan import RefitPlan, TensorSpec
 from common.source import WeightSource
-from tests.multiproc import expect_ok, receive_all, run_ranks
+from recipes.rank_runner import run_ranks
+from tests.multiproc import expect_ok, receive_all
 from tests.test_failures import check_dead_peer, dead_peer_rank
 
 LAYERS = 12

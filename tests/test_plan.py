@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -138,10 +139,12 @@ def test_specs_from_meta_tensors_materialise_nothing() -> None:
 
 
 def test_dict_source_lists_declared_dtypes_and_yields_them_in_plan_order() -> None:
+    from common.dtype_policy import DtypePolicy
     from common.source import DictWeightSource
 
     weights = {"w": torch.randn(3, 2).bfloat16(), "router.bias": torch.randn(4).bfloat16()}
-    source = DictWeightSource(weights, dtypes={"router.bias": torch.float32}, source_rank=1)
+    source = DictWeightSource(weights, DtypePolicy(None, keep_fp32=(r"^router\.bias$",)),
+                              source_rank=1)
     specs = source.plan_specs()
     assert [(s.name, s.dtype, s.source_rank) for s in specs] == [
         ("w", torch.bfloat16, 1), ("router.bias", torch.float32, 1)]
@@ -152,3 +155,28 @@ def test_dict_source_lists_declared_dtypes_and_yields_them_in_plan_order() -> No
     assert bias.dtype == torch.float32 and torch.equal(bias, weights["router.bias"].float())
     assert got[1][1] is weights["w"]  # undeclared: the tensor itself, no copy
     assert list(DictWeightSource({}).iter_tensors(plan)) == [("router.bias", None), ("w", None)]
+
+
+def test_one_dtype_policy_for_every_source() -> None:
+    from common.dtype_policy import DtypePolicy
+    from dtensor_refit import DtypePolicy as DTensorPolicy
+    from mcore_refit import DtypePolicy as MegatronPolicy
+
+    assert DTensorPolicy is DtypePolicy and MegatronPolicy is DtypePolicy
+    p = DtypePolicy(torch.bfloat16)
+    bias = "model.layers.3.mlp.gate.e_score_correction_bias"
+    assert p.dtype_for(bias, torch.bfloat16) == torch.float32  # declared fp32 whatever it is now
+    assert p.dtype_for("model.norm.weight", torch.float32) == torch.bfloat16
+    assert p.dtype_for("model.steps", torch.int64) == torch.int64
+    assert p.dtype_for("not_e_score_correction_bias", torch.float32) == torch.bfloat16
+    q = DtypePolicy.of(torch.float16, fp32=[r"\.mlp\.gate\.weight$"])
+    assert q.dtype_for("model.layers.1.mlp.gate.weight", torch.float32) == torch.float32
+    assert q.dtype_for(bias, torch.float16) == torch.float32
+    assert DtypePolicy(torch.bfloat16, keep_fp32=()).dtype_for(bias, torch.float32) == \
+        torch.bfloat16
+    keep = DtypePolicy(None)  # own dtypes, router bias still fp32
+    assert keep.dtype_for("model.norm.weight", torch.float16) == torch.float16
+    assert keep.dtype_for(bias, torch.bfloat16) == torch.float32
+    assert DtypePolicy.as_given().dtype_for(bias, torch.bfloat16) == torch.bfloat16
+    with pytest.raises(ValueError):
+        DtypePolicy(torch.int8)

@@ -10,7 +10,8 @@ from common.config import RefitConfig
 from common.group import RefitGroup
 from common.plan import RefitPlan
 from common.source import DictWeightSource
-from tests.multiproc import expect_ok, receive_all, run_ranks
+from recipes.rank_runner import run_ranks
+from tests.multiproc import expect_ok, receive_all
 
 
 def make_tensors(seed: int, version: int = 0) -> dict[str, torch.Tensor]:

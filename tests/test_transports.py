@@ -22,7 +22,8 @@ from common.group import RefitGroup
 from common.plan import RefitPlan
 from common.shm_transport import ShmTransport
 from common.source import DictWeightSource
-from tests.multiproc import expect_ok, outcome, receive_all, run_ranks
+from recipes.rank_runner import run_ranks
+from tests.multiproc import expect_ok, outcome, receive_all
 
 TRANSPORTS = {"gloo": RefitGroup, "shm": ShmTransport}
 TRAINERS, WORLD, TIMEOUT_S, NOTICE_S = 2, 3, 60.0, 5.0

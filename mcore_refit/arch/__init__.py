@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from common.errors import ConversionError
 from mcore_refit.arch.deepseek_v3 import DEEPSEEK_V3
 from mcore_refit.arch.llama import LLAMA
 from mcore_refit.arch.qwen2 import QWEN2
@@ -22,5 +23,5 @@ def converter_for(model_type: str) -> Converter:
     try:
         return CONVERTERS[model_type]
     except KeyError:
-        raise KeyError(f"no Megatron converter for model_type {model_type!r}; "
-                       f"known: {sorted(CONVERTERS)}") from None
+        raise ConversionError(f"no Megatron converter for model_type {model_type!r}; "
+                              f"known: {sorted(CONVERTERS)}") from None

@@ -14,7 +14,7 @@ def moe_rules(shared: str, shared_gate: bool) -> list[Rule]:
     `shared_experts` in DeepSeek-V3); `shared_gate`: it has a sigmoid gate of its own."""
     rules = [
         Rule(_M + "router.weight", (_H + "gate.weight",)),
-        Rule(_M + "router.expert_bias", (_H + "gate.e_score_correction_bias",), keep_fp32=True),
+        Rule(_M + "router.expert_bias", (_H + "gate.e_score_correction_bias",)),
         Rule(_M + "experts.{E}.linear_fc1.weight",
              (_H + "experts.{E}.gate_proj.weight", _H + "experts.{E}.up_proj.weight"),
              "gate_up"),

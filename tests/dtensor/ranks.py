@@ -40,13 +40,13 @@ def saved(model: torch.nn.Module, policy, headers: dict | None = None) -> dict[s
     return {n: t.to(policy.dtype_for(n, t.dtype)) for n, t in raw.items()}
 
 
-def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], who: str) -> None:
-    assert sorted(got) == sorted(want), f"{who}: names differ: {sorted(set(got) ^ set(want))}"
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert sorted(got) == sorted(want), f"{what}: names differ: {sorted(set(got) ^ set(want))}"
     for name, w in want.items():
         g = got[name]
         assert g.shape == w.shape and g.dtype == w.dtype, \
-            f"{who}: {name} {g.shape} {g.dtype} vs {w.shape} {w.dtype}"
-        assert torch.equal(bits(g), bits(w)), f"{who}: {name} differs"
+            f"{what}: {name} {g.shape} {g.dtype} vs {w.shape} {w.dtype}"
+        assert torch.equal(bits(g), bits(w)), f"{what}: {name} differs"
 
 
 def _policy(case: Case):

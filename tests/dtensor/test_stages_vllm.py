@@ -12,11 +12,12 @@ import torch.distributed as dist
 
 from common.engine_client import EngineFleet
 from common.group import free_port
+from recipes.rank_runner import run_ranks
 from tests.dtensor.shard import build_unsharded
 from tests.dtensor.split import TRAINERS, Layout, build_layout
-from tests.multiproc import expect_ok, run_ranks
-from tests.vllm.harness import write_engine_checkpoint
-from tests.vllm.helpers import greedy, start_engine
+from tests.dtensor_vllm.harness import write_engine_checkpoint
+from tests.dtensor_vllm.helpers import greedy, start_engine
+from tests.multiproc import expect_ok
 
 pytestmark = pytest.mark.slow
 LAYOUT = Layout("pp_hf", tie=True)  # the last stage keeps the tied embedding too

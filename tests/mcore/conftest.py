@@ -1,4 +1,5 @@
-"""One spawned 4-rank gloo pool for the whole Megatron test session (see pool.py)."""
+"""One spawned 4-rank gloo pool for the whole Megatron test package: each rank installs the CPU
+shim and joins one gloo group once (importing megatron-core and joining cost ~10 s a process)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.mcore.pool import megatron_pool
-from tests.pool import RankPool
+from common.group import free_port
+from recipes.rank_runner import RankPool
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from recipes import mcore_cpu_shim
+
+    mcore_cpu_shim.install()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
 
 
 @pytest.fixture(scope="package")  # gone before the next package starts
@@ -18,7 +29,7 @@ def pool() -> Iterator[RankPool]:
     old = os.environ.get("TORCHDYNAMO_DISABLE")
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     try:
-        p = megatron_pool(4)
+        p = RankPool(4, _init, (free_port(),))
     finally:
         if old is None:
             del os.environ["TORCHDYNAMO_DISABLE"]

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from tests.mcore.models import VOCAB, Layout, hf_config
+from recipes.mcore_configs import hf_config
+from tests.mcore.models import VOCAB, Layout
 
 
 def merge(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

@@ -7,20 +7,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recipes.mcore_configs import build_chunks, setup_parallel
 from recipes.mcore_models import randomise
-from tests.mcore.models import HIDDEN, PADDED_VOCAB, SEQ, VOCAB, Layout, build_chunks
-
-
-def setup_parallel(layout: Layout) -> None:
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
-    model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+from tests.mcore.models import HIDDEN, PADDED_VOCAB, SEQ, VOCAB, Layout
 
 
 def megatron_logits(layout: Layout, chunks: list[torch.nn.Module],
@@ -58,8 +47,8 @@ def refit_job(rank: int, world: int, layout: Layout, seed: int,
     """Everything the parent checks: specs, this rank's yielded tensors, Megatron logits."""
     from common.plan import RefitPlan
     from common.source import WeightSource
-    from mcore_refit import MegatronWeightSource, converter_for
-    from tests.mcore.models import ARCHS, wrap_chunks
+    from mcore_refit import DtypePolicy, MegatronWeightSource, converter_for
+    from tests.mcore.models import wrap_chunks
 
     setup_parallel(layout)
     chunks = build_chunks(layout)
@@ -68,8 +57,8 @@ def refit_job(rank: int, world: int, layout: Layout, seed: int,
     logits = megatron_logits(layout, chunks, ids)
     if layout.wrap:
         chunks = wrap_chunks(layout, chunks)
-    source = MegatronWeightSource(chunks, converter_for(ARCHS[layout.arch].model_type),
-                                  vocab_size=VOCAB, dtype=dtype)
+    source = MegatronWeightSource(chunks, converter_for(layout.model_type),
+                                  vocab_size=VOCAB, policy=DtypePolicy(dtype))
     assert isinstance(source, WeightSource)
     specs = source.plan_specs()
     plan = RefitPlan.build(specs)
@@ -107,7 +96,7 @@ def to_grouped_layout(chunks: list[torch.nn.Module]) -> None:
 def grouped_job(rank: int, world: int, layout: Layout, seed: int) -> tuple[dict, dict]:
     """HF tensors of this rank from the local-spec experts and from their grouped layout."""
     from common.plan import RefitPlan
-    from mcore_refit import MegatronWeightSource, converter_for
+    from mcore_refit import DtypePolicy, MegatronWeightSource, converter_for
 
     setup_parallel(layout)
     chunks = build_chunks(layout)
@@ -117,7 +106,7 @@ def grouped_job(rank: int, world: int, layout: Layout, seed: int) -> tuple[dict,
         if step:
             to_grouped_layout(chunks)
         source = MegatronWeightSource(chunks, converter_for(layout.arch), vocab_size=VOCAB,
-                                      dtype=torch.float32)
+                                      policy=DtypePolicy(torch.float32))
         plan = RefitPlan.build(sorted(source.plan_specs(), key=lambda s: s.name))
         out.append({n: t.clone() for n, t in source.iter_tensors(plan) if t is not None})
     return out[0], out[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.errors import ConversionError
 from mcore_refit import converter_for, names
 from mcore_refit.convert import Dims, cut_shapes, cut_tensor
 
@@ -42,7 +43,7 @@ def test_skips_and_wrappers() -> None:
 
 
 def test_unknown_parameter_is_an_error() -> None:
-    with pytest.raises(KeyError, match="no conversion rule"):
+    with pytest.raises(ConversionError, match="no conversion rule"):
         converter_for("llama").targets("decoder.layers.0.self_attention.mystery.weight", (4,),
                                        DIMS)
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from common.ray_cluster import RayLayout, RayPlacement, TrainerActor, start_trainers
 from tests.dtensor.models import make_model
-from tests.vllm.helpers import LLM_KWARGS, PROMPTS, KillingSource, wait_gone
+from tests.dtensor_vllm.helpers import LLM_KWARGS, PROMPTS, KillingSource, wait_gone
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S, REFIT_TIMEOUT_S, NOTICE_S = 60, 60, 5  # a death is noticed through the abort

@@ -26,9 +26,9 @@ from common.group import RefitGroup, free_port
 from common.plan import RefitPlan
 from common.serve import VllmServer
 from common.source import DictWeightSource
-from tests.multiproc import run_ranks
+from recipes.rank_runner import run_ranks
+from tests.dtensor_vllm.helpers import KillingSource
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config
-from tests.vllm.helpers import KillingSource
 
 pytestmark = pytest.mark.slow
 TRAINERS, KILL_TIMEOUT_S, NOTICE_S = 2, 60.0, 5.0  # noticed through the abort

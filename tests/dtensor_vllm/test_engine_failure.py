@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.dtensor.shard import Case
-from tests.vllm.harness import initial_checkpoint, refit_round
-from tests.vllm.helpers import start_engine
+from tests.dtensor_vllm.harness import initial_checkpoint, refit_round
+from tests.dtensor_vllm.helpers import start_engine
 
 pytestmark = pytest.mark.slow
 

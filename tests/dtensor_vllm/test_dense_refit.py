@@ -13,8 +13,8 @@ import torch
 from common.engine_client import EngineError
 from recipes.vllm_checks import compare_params
 from tests.dtensor.shard import Case
-from tests.vllm.harness import initial_checkpoint, refit_round
-from tests.vllm.helpers import expected_params, greedy, start_engine
+from tests.dtensor_vllm.harness import initial_checkpoint, refit_round
+from tests.dtensor_vllm.helpers import expected_params, greedy, start_engine
 
 pytestmark = pytest.mark.slow
 CASE = Case("qwen3", dp=2, model_dtype=torch.float32)

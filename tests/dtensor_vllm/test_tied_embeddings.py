@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from common.engine import LocalEngine
 from common.engine_config import EngineConfig
-from tests.vllm.helpers import LLM_KWARGS, greedy, join_one_trainer
+from tests.dtensor_vllm.helpers import LLM_KWARGS, greedy, join_one_trainer
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.dtensor.models import make_model
-from tests.vllm.helpers import (
+from tests.dtensor_vllm.helpers import (
     PROMPTS,
     KillingSource,
     engine_config,

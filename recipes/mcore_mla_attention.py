@@ -1,4 +1,4 @@
-"""Test-only core attention for Multi-Latent Attention with the local (non-TE) spec.
+"""Core attention for Multi-Latent Attention with the local (non-TE) spec (CPU, no TE).
 
 megatron-core 0.16.1's local MLA spec is broken: MLASelfAttention passes `k_channels` /
 `v_channels` to the local DotProductAttention, which does not accept them (TypeError at

@@ -12,8 +12,8 @@ import torch
 
 from recipes.vllm_checks import compare_params
 from tests.dtensor.shard import Case
-from tests.vllm.harness import initial_checkpoint, refit_round
-from tests.vllm.helpers import expected_params, greedy, start_engine
+from tests.dtensor_vllm.harness import initial_checkpoint, refit_round
+from tests.dtensor_vllm.helpers import expected_params, greedy, start_engine
 
 pytestmark = pytest.mark.slow
 CASES = {"qwen3_moe": Case("qwen3_moe", dp=2), "deepseek_v3": Case("deepseek_v3", dp=2)}

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from common.engine_client import EngineError, EngineFleet
 from common.group import free_port
+from recipes.rank_runner import run_ranks
 from tests.dtensor.shard import Case, bias_names, build_unsharded, shard_model
-from tests.multiproc import run_ranks
 
 BUCKET_BYTES = 16 << 10  # smaller than one layer: layers straddle buckets
 

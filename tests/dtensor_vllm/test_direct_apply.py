@@ -23,8 +23,8 @@ from common.errors import RefitError
 from common.source import DictWeightSource
 from recipes.vllm_checks import compare_params, vllm_layout
 from tests.dtensor.shard import Case
-from tests.vllm.harness import initial_checkpoint
-from tests.vllm.helpers import PROMPTS, engine_config, greedy, join_one_trainer
+from tests.dtensor_vllm.harness import initial_checkpoint
+from tests.dtensor_vllm.helpers import PROMPTS, engine_config, greedy, join_one_trainer
 
 pytestmark = pytest.mark.slow
 ARCHS = ("qwen3", "qwen3_moe", "deepseek_v3")

