@@ -149,13 +149,24 @@ class ShmTransport(Transport):
 
     def destroy(self) -> None:
         """Leave: first let the live peers read this rank's last segments (a peer may still
-        be reading the end-of-refit status), for at most `LINGER_S`, then unlink them."""
+        be reading the end-of-refit status), then unlink them; rank 0, which hosts the store
+        the peers acknowledge through, also waits for every live peer to leave. Each wait
+        lasts at most `LINGER_S`."""
         deadline = time.monotonic() + min(self.timeout_s, LINGER_S)
-        others = [r for r in range(self.world_size) if r != self.rank]
         with contextlib.suppress(Exception):  # a dead store or peer: nobody is left to read
-            while (self.aborted is None and self._reap() and time.monotonic() < deadline
-                   and all(_alive(self._pids[r]) for r in others)):
-                time.sleep(_LONGEST_SLEEP_S)
+            self._linger(self._reap, deadline)
+            self._data_store.add("left", 1)
+            if self.rank == 0:
+                self._linger(lambda: int(self._data_store.add("left", 0)) < self.world_size,
+                             deadline)
         for seq in list(self._segments):
             self._unlink(seq)
         self._store = self._data_store = self._control = None
+
+    def _linger(self, waiting, deadline: float) -> None:
+        """Sleep while `waiting()`, unless this group was abandoned, a peer died or the
+        deadline passed."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        while (self.aborted is None and waiting() and time.monotonic() < deadline
+               and all(_alive(self._pids[r]) for r in others)):
+            time.sleep(_LONGEST_SLEEP_S)
