@@ -253,52 +253,72 @@ class RefitReceiver(_Endpoint):
         end. `on_done()` runs after the last bucket (also after a failure: it closes what the
         loads opened), before the status exchange, so its failure reaches every rank too.
         """
-        plan, buckets = self.plan, self.plan.buckets
-        stats = RefitStats(-1, len(buckets), plan.total_bytes, role="receiver")
+        buckets = self.plan.buckets
+        stats = RefitStats(-1, len(buckets), self.plan.total_bytes, role="receiver")
         t0 = time.perf_counter()
         posted: dict[int, tuple[list, torch.Tensor | None]] = {}
         error: BaseException | None = None
-        expected: Header | None = None
-        next_post = 0
         for bucket in buckets:
-            while next_post < len(buckets) and next_post < bucket.index + self.num_buffers:
-                if buckets[next_post].oversize and posted:
-                    break  # at most one oversize tensor beyond the N buffers
-                posted[next_post] = self._post(buckets[next_post])
-                next_post += 1
+            self._post_ahead(bucket, posted)
             works, target = posted.pop(bucket.index)
             self.wait_all(works, stats)
             raw = self.headers[bucket.index % self.num_buffers] if bucket.direct \
                 else self.bucket_buffer(bucket)
             header = Header.decode(raw)
-            if expected is None:
-                stats.version = header.version
-                if version is not None and header.version != version:
-                    error = RefitError(f"{self.group.label}: the trainers sent refit "
-                                       f"v{header.version}, this receiver expected v{version}")
-            expected = Header(bucket.index, len(buckets), stats.version, plan.digest)
-            if why := header.mismatch(expected):
-                raise RefitError(f"{self.group.label}: protocol out of step at bucket "
-                                 f"{bucket.index}: {why}; destroy and rebuild the refit group")
-            if header.status != STATUS_OK:
-                error = error or RefitAborted(f"{self.group.label}: sender rank "
-                                              f"{bucket.source_rank} aborted refit "
-                                              f"v{header.version}: {header.message}")
+            error = self._check_header(bucket, header, version, stats, error)
             if error is not None or (error := self._verify(bucket, header, target, stats)):
                 continue
-            tensors = self._unpack(bucket, target)
-            t1 = time.perf_counter()
-            stats.buckets_loaded += 1  # also when it fails: it may have loaded a part
-            try:
-                on_bucket(tensors)
-            except Exception as e:  # noqa: BLE001 - reported to every rank at the end
-                error = RefitError(f"{self.group.label}: loading bucket {bucket.index} "
-                                   f"({tensors[0][0]!r}..) failed: {type(e).__name__}: {e}")
-                error.__cause__ = e
-            stats.load_s += time.perf_counter() - t1
+            error = self._load(bucket, target, on_bucket, stats)
         if on_done is not None:
             error = self._run_on_done(on_done, stats, error)
         return self.finish(stats, error, t0)
+
+    def _post_ahead(self, bucket: Bucket, posted: dict) -> None:
+        """Post the receives of the buckets up to N ahead of `bucket` (at most one oversize
+        tensor beyond the N buffers)."""
+        buckets = self.plan.buckets
+        nxt = max(posted, default=bucket.index - 1) + 1  # buckets before it are all posted
+        while nxt < len(buckets) and nxt < bucket.index + self.num_buffers:
+            if buckets[nxt].oversize and posted:
+                break
+            posted[nxt] = self._post(buckets[nxt])
+            nxt += 1
+
+    def _check_header(self, bucket: Bucket, header: Header, version: int | None,
+                      stats: RefitStats, error: BaseException | None) -> BaseException | None:
+        """The refit's error after this bucket's header: the first bucket fixes the version
+        (a `version` other than it fails the refit), a header out of step raises at once, an
+        ABORT fails the refit."""
+        if bucket.index == 0:
+            stats.version = header.version
+            if version is not None and header.version != version:
+                error = RefitError(f"{self.group.label}: the trainers sent refit "
+                                   f"v{header.version}, this receiver expected v{version}")
+        expected = Header(bucket.index, len(self.plan.buckets), stats.version, self.plan.digest)
+        if why := header.mismatch(expected):
+            raise RefitError(f"{self.group.label}: protocol out of step at bucket "
+                             f"{bucket.index}: {why}; destroy and rebuild the refit group")
+        if header.status != STATUS_OK:
+            error = error or RefitAborted(f"{self.group.label}: sender rank "
+                                          f"{bucket.source_rank} aborted refit "
+                                          f"v{header.version}: {header.message}")
+        return error
+
+    def _load(self, bucket: Bucket, target: torch.Tensor | None, on_bucket: BucketCallback,
+              stats: RefitStats) -> BaseException | None:
+        """Hand the bucket's tensors to `on_bucket`; its failure, named, or None."""
+        tensors = self._unpack(bucket, target)
+        t1 = time.perf_counter()
+        stats.buckets_loaded += 1  # also when it fails: it may have loaded a part
+        error = None
+        try:
+            on_bucket(tensors)
+        except Exception as e:  # noqa: BLE001 - reported to every rank at the end
+            error = RefitError(f"{self.group.label}: loading bucket {bucket.index} "
+                               f"({tensors[0][0]!r}..) failed: {type(e).__name__}: {e}")
+            error.__cause__ = e
+        stats.load_s += time.perf_counter() - t1
+        return error
 
     def _unpack(self, bucket: Bucket, target: torch.Tensor | None) -> list:
         """The bucket's (name, tensor) views; an oversize one: its own fresh tensor."""
