@@ -24,7 +24,7 @@ import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
-from common.transport import ABORT_POLL_S, Abandoned, Transport
+from common.transport import Transport, padded
 
 log = logging.getLogger(__name__)
 
@@ -38,19 +38,6 @@ _GLOO_POLL_S = 5e-4  # the longest sleep between polls of a gloo work
 _BACKEND_GRACE_S = 30.0
 # Collectives given up on, with their group, kept alive until their own timeout has passed.
 _ABANDONED: list[tuple[float, dist.Work, object]] = []
-
-
-def _spin(work: dist.Work, seconds: float, longest_sleep_s: float) -> bool:
-    """Poll `work` for up to `seconds`, sleeping from `_POLL_S` up to `longest_sleep_s`
-    between polls; whether it completed. (A gloo `wait(timeout)` cannot serve here: from
-    one torch version to the next, a timed-out wait leaves the work running or failed.)"""
-    end, nap = time.monotonic() + seconds, _POLL_S
-    while not work.is_completed():
-        if time.monotonic() >= end:
-            return False
-        time.sleep(nap)
-        nap = min(nap * 2, longest_sleep_s)
-    return True
 
 
 @contextlib.contextmanager
@@ -131,18 +118,12 @@ class RefitGroup(Transport):
         return timedelta(seconds=self.timeout_s + _BACKEND_GRACE_S)
 
     def _wait_for(self, work: dist.Work, deadline: float) -> None:
-        """Poll in slices of `ABORT_POLL_S`, reading the abort record between them."""
+        """Poll `work.is_completed()` (a gloo `wait(timeout)` cannot serve here: from one
+        torch version to the next, a timed-out wait leaves the work running or failed)."""
         # NCCL kernels finish in microseconds; a gloo op on its thread in milliseconds.
-        longest_sleep_s = _POLL_S if self.backend == "nccl" else _GLOO_POLL_S
-        while True:
-            left = deadline - time.monotonic()
-            if _spin(work, min(ABORT_POLL_S, max(left, 0.0)), longest_sleep_s):
-                work.wait()  # raises the collective's own error, if any
-                return
-            if record := self.read_abort():
-                raise Abandoned(record)
-            if time.monotonic() >= deadline:
-                raise self.timed_out()
+        self._poll(work.is_completed, deadline,
+                   _POLL_S if self.backend == "nccl" else _GLOO_POLL_S)
+        work.wait()  # raises the collective's own error, if any
 
     def _abandon(self, work: dist.Work, why: str) -> None:
         """Keep what the collective still holds alive (its buffers may yet be written, and
@@ -158,11 +139,7 @@ class RefitGroup(Transport):
 
     def all_gather_bytes(self, data: bytes, size: int, what: str) -> list[bytes]:
         """Every rank's `data` (truncated / zero-padded to `size` bytes), in rank order."""
-        mine = torch.zeros(size, dtype=torch.uint8)
-        raw = data[:size]
-        if raw:
-            mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        mine = mine.to(self.device)
+        mine = padded(data, size, self.device)
         outs = [torch.empty_like(mine) for _ in range(self.world_size)]
         opts = c10d.AllgatherOptions()
         opts.timeout = self._backend_timeout()

@@ -17,6 +17,7 @@ import contextlib
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import resource_tracker, shared_memory
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.transport import ABORT_POLL_S, Abandoned, Transport
+from common.transport import Abandoned, Transport
 
 MAX_IN_FLIGHT = 4  # a source's segments not yet read by every other rank
 LINGER_S = 10.0  # how long `destroy` waits for the peers to read this rank's last segments
@@ -95,10 +96,11 @@ class ShmTransport(Transport):
             return
         if self.rank == work.src:  # held back while too many segments wait to be read
             others = [r for r in range(self.world_size) if r != self.rank]
-            self._poll(lambda: self._reap() < MAX_IN_FLIGHT, others, deadline)
+            self._poll(self._asking(lambda: self._reap() < MAX_IN_FLIGHT), deadline,
+                       _LONGEST_SLEEP_S, lambda: self._dead(others))
         else:
-            self._poll(lambda: self._data_store.check([f"bc/{work.seq}"]), [work.src],
-                       deadline)
+            self._poll(self._asking(lambda: self._data_store.check([f"bc/{work.seq}"])),
+                       deadline, _LONGEST_SLEEP_S, lambda: self._dead([work.src]))
             shm = shared_memory.SharedMemory(name=self._prefix + str(work.seq))
             resource_tracker.unregister(shm._name, "shared_memory")  # the source unlinks it
             try:
@@ -109,28 +111,20 @@ class ShmTransport(Transport):
             self._data_store.add(f"ack/{work.seq}", 1)
         work.done = True
 
-    def _poll(self, ready, peers: list[int], deadline: float) -> None:
-        """Until `ready()`: the abort record, the store and `peers`' processes checked every
-        `ABORT_POLL_S`, the deadline kept."""
-        nap, check_at = 20e-6, time.monotonic() + ABORT_POLL_S
-        while True:
+    def _asking(self, ask: Callable[[], bool]) -> Callable[[], bool]:
+        """`ask` (a store query), with a store that stops answering an abort like any other."""
+        def ready() -> bool:
             try:
-                if ready():
-                    return
-            except Exception as e:  # noqa: BLE001 - the store died: an abort like any other
+                return ask()
+            except Exception as e:  # noqa: BLE001 - the store's host died or left
                 raise Abandoned(self.read_abort() or f"the store failed: {e}") from None
-            now = time.monotonic()
-            if now >= check_at:
-                if record := self.read_abort():
-                    raise Abandoned(record)
-                if dead := [r for r in peers if not _alive(self._pids[r])]:
-                    raise RuntimeError(f"refit rank {dead[0]} (pid {self._pids[dead[0]]}) "
-                                       f"died")
-                check_at = now + ABORT_POLL_S
-            if now >= deadline:
-                raise self.timed_out()
-            time.sleep(nap)
-            nap = min(nap * 2, _LONGEST_SLEEP_S)
+        return ready
+
+    def _dead(self, peers: list[int]) -> str | None:
+        """Which of `peers`' processes died, or None."""
+        if dead := [r for r in peers if not _alive(self._pids[r])]:
+            return f"refit rank {dead[0]} (pid {self._pids[dead[0]]}) died"
+        return None
 
     def _reap(self) -> int:
         """Unlink the segments every other rank has read; how many are left."""

@@ -19,6 +19,7 @@ import json
 import re
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from common.errors import RefitCommError, RefitError
 
 ABORT_POLL_S = 0.25  # how often a waiting rank looks for another rank's abort record
+FIRST_SLEEP_S = 20e-6  # the first sleep between polls of a collective (then doubling)
 _ABORT_KEY = "abort"
 
 
@@ -129,6 +131,25 @@ class Transport(ABC):
                 f"{self.members()}): {cause}" + (f"; {earlier}" if earlier else "")
             ) from e
 
+    def _poll(self, ready: Callable[[], bool], deadline: float, longest_sleep_s: float,
+              peers_dead: Callable[[], str | None] | None = None) -> None:
+        """Until `ready()`, sleeping from `FIRST_SLEEP_S` up to `longest_sleep_s` between
+        polls; every `ABORT_POLL_S` the abort record is read (`Abandoned`) and `peers_dead()`
+        asked (its reason raised); past `deadline` (time.monotonic()) `TimeoutError`."""
+        nap, check_at = FIRST_SLEEP_S, time.monotonic() + ABORT_POLL_S
+        while not ready():
+            now = time.monotonic()
+            if now >= check_at:
+                if record := self.read_abort():
+                    raise Abandoned(record)
+                if peers_dead is not None and (why := peers_dead()):
+                    raise RuntimeError(why)
+                check_at = now + ABORT_POLL_S
+            if now >= deadline:
+                raise self.timed_out()
+            time.sleep(nap)
+            nap = min(nap * 2, longest_sleep_s)
+
     def timed_out(self) -> TimeoutError:
         return TimeoutError(f"no completion within the refit timeout ({self.timeout_s:.0f}s: "
                             f"RefitConfig.timeout_s)")
@@ -177,11 +198,15 @@ class Transport(ABC):
         broadcast per rank (a transport with an all-gather overrides this)."""
         out = []
         for src in range(self.world_size):
-            buf = torch.zeros(size, dtype=torch.uint8)
-            if src == self.rank and data[:size]:
-                buf[: len(data[:size])] = torch.frombuffer(bytearray(data[:size]),
-                                                           dtype=torch.uint8)
-            buf = buf.to(self.device)
+            buf = padded(data if src == self.rank else b"", size, self.device)
             self.wait(self.broadcast(buf, src), f"{what} (rank {src})")
             out.append(bytes(buf.cpu().numpy().tobytes()).rstrip(b"\0"))
         return out
+
+
+def padded(data: bytes, size: int, device: torch.device) -> torch.Tensor:
+    """`data` truncated / zero-padded to `size` bytes, as a uint8 tensor on `device`."""
+    buf = torch.zeros(size, dtype=torch.uint8)
+    if raw := data[:size]:
+        buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return buf.to(device)
