@@ -38,7 +38,7 @@ def stamp(header: torch.Tensor, payload: torch.Tensor) -> None:
     device), in place; on CUDA without a host sync."""
     field = header[CHECKSUM_OFFSET:CHECKSUM_OFFSET + 8]
     if payload.device.type == "cpu":
-        value = zlib.crc32(memoryview(payload.numpy()))
+        value = compute(payload)
         field.copy_(torch.frombuffer(bytearray(value.to_bytes(8, "little")), dtype=torch.uint8))
     else:  # little-endian int64 bytes, as the header's unsigned field reads them
         field.copy_(hash_kernel.device_hash(payload).reshape(1).view(torch.uint8))

@@ -43,7 +43,7 @@ from common.broadcast import RefitReceiver
 from common.checkpoint import checkpoint_tensors, plan_problems
 from common.group import RefitGroup
 from common.load_map import CopyRecorder
-from common.plan import Bucket, RefitPlan
+from common.plan import RefitPlan
 from common.stats import RefitStats
 from common.vllm_apply import DirectLoad, learn
 from common.vllm_map_check import (
@@ -188,8 +188,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             else:
                 if kept is not None:
                     index = self._bucket_of[items[0][0]]
-                    kept[index] = keep_payload(items, _extent(receiver.plan.buckets[index],
-                                                              receiver.plan))
+                    kept[index] = keep_payload(items, receiver.plan.buckets[index].nbytes)
                 loaded.update(self._load(items, recorder))
 
         def finalize() -> None:  # before the status exchange: its failure reaches every rank
@@ -358,8 +357,3 @@ def _apply_mode() -> str:
 def _verify_map() -> bool:
     """REFIT_VERIFY_MAP (default 1): check a learned map against its refit's loads."""
     return os.environ.get("REFIT_VERIFY_MAP", "1") != "0"
-
-
-def _extent(bucket: Bucket, plan: RefitPlan) -> int:
-    """Bytes from a bucket's first tensor to the end of its last."""
-    return bucket.offsets[-1] + plan.specs[bucket.stop - 1].nbytes - bucket.offsets[0]

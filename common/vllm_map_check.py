@@ -22,6 +22,7 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 )
 
 from common.load_map import byte_span
+from common.packing import unpack
 from common.plan import RefitPlan
 from common.vllm_apply import DirectLoad
 
@@ -68,12 +69,7 @@ def reload_kept(model: torch.nn.Module, plan: RefitPlan, kept: dict[int, torch.T
     loaded: set[str] = set()
     for index, payload in kept.items():
         bucket = plan.buckets[index]
-        items = []
-        for pos, spec in enumerate(plan.bucket_specs(bucket)):
-            lo = bucket.offsets[pos] - bucket.offsets[0]
-            view = payload[lo:lo + spec.nbytes].view(spec.dtype).view(spec.shape)
-            items.append((spec.name, view))
-        loaded |= model.load_weights(items)
+        loaded |= model.load_weights(unpack(payload, plan.bucket_specs(bucket), bucket.offsets))
     finalize_layerwise_reload(model, model_config)
     redo(loaded)
 
