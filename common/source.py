@@ -45,6 +45,7 @@ class DictWeightSource:
         self.tensors = tensors
         self.policy = policy or DtypePolicy.as_given()
         self.source_rank = source_rank
+        self._casts = self.policy != DtypePolicy.as_given()  # else the tensors as they are
 
     def plan_specs(self) -> list[TensorSpec]:
         return [
@@ -58,7 +59,7 @@ class DictWeightSource:
         item is a visible share of an NVLink refit."""
         names = [spec.name for spec in plan.specs]
         tensors = map(self.tensors.get, names)
-        if self.policy != DtypePolicy.as_given():
+        if self._casts:
             tensors = map(self._declared, names, tensors)
         return zip(names, tensors, strict=True)
 

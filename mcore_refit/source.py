@@ -117,6 +117,8 @@ class MegatronWeightSource:
                     if target.name in self._where:
                         raise ValueError(f"two Megatron tensors map to {target.name!r}")
                     self._where[target.name] = _Where(u, m, t)
+        # each HF tensor's declared dtype, decided once (not per tensor per refit)
+        self._dtypes = {n: self.policy.dtype_for(n, self.policy.dtype) for n in self._where}
 
     # --- metadata -----------------------------------------------------------------------
     def _entries(self, wrapped: torch.nn.Module, model: torch.nn.Module,
@@ -182,8 +184,7 @@ class MegatronWeightSource:
             source = self.first_rank[unit.stage]
             for member in unit.targets:
                 for t in member:
-                    dtype = self.policy.dtype_for(t.name, self.policy.dtype)
-                    specs.append(TensorSpec(t.name, t.shape, dtype, source))
+                    specs.append(TensorSpec(t.name, t.shape, self._dtypes[t.name], source))
         return specs
 
     # --- data ---------------------------------------------------------------------------
@@ -211,8 +212,7 @@ class MegatronWeightSource:
         out = []
         for name, full, member in zip(canonical, fulls, unit.targets, strict=True):
             pieces = self.converter.convert(name, full, self.dims)
-            out.append([p.to(self.policy.dtype_for(t.name, self.policy.dtype))
-                        for p, t in zip(pieces, member, strict=True)])
+            out.append([p.to(self._dtypes[t.name]) for p, t in zip(pieces, member, strict=True)])
         return out
 
     def iter_tensors(self, plan: RefitPlan) -> Iterator[tuple[str, torch.Tensor | None]]:
