@@ -58,7 +58,8 @@ class BufferKernel:
 
     def __init__(self, buffer: torch.Tensor, unit: int, offsets: Sequence[int],
                  nbytes: Sequence[int], scatter: bool = False) -> None:
-        self.unit, self.scatter = u, _ = unit, scatter
+        self.unit = u = unit
+        self.scatter = scatter
         dev = buffer.device
         self.buf = buffer[: buffer.numel() // u * u].view(_UNIT_DTYPES[u])
         base = buffer.data_ptr()

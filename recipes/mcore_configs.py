@@ -8,7 +8,7 @@ rows); the refit sends the true `vocab` rows only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,7 +42,6 @@ class Arch:
     qkv_bias: bool = False
     moe: bool = False
     mla: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 ARCHS = {
