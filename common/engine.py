@@ -9,10 +9,12 @@ servers are driven by `common.http_engine.HttpEngine` through the same interface
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import threading
 import time
+import weakref
 from abc import abstractmethod
 from typing import Any
 
@@ -93,10 +95,14 @@ class LocalEngine(HostedEngine):
         try:
             from common.vllm_host import serve  # noqa: PLC0415 - child-side entry point
 
-            self._proc = ctx.Process(target=serve, args=(child, config), daemon=True)
+            # Not daemonic: the engine may start vLLM's worker processes (TP > 1). The
+            # finalizer stops it when this client is collected or the trainer exits, before
+            # multiprocessing's own exit hook would wait for it.
+            self._proc = ctx.Process(target=serve, args=(child, config), daemon=False)
             self._proc.start()
         finally:
             os.environ.update(env)
+        self._stopper = weakref.finalize(self, _stop, self._proc, self._conn, self._lock)
         with self._lock:
             self._answer("start", config.start_timeout_s)
 
@@ -147,11 +153,17 @@ class LocalEngine(HostedEngine):
 
     def close(self) -> None:
         super().close()
-        if self._proc.is_alive():
-            if self._lock.acquire(timeout=1.0):
-                self._conn.send(("stop", {}))
-                self._lock.release()
-            self._proc.join(timeout=30)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join()
+        self._stopper()
+
+
+def _stop(proc: mp.process.BaseProcess, conn: Any, lock: threading.Lock) -> None:
+    """Ask the engine process to stop (it shuts vLLM down), kill it if it does not in 30 s."""
+    if proc.is_alive():
+        if lock.acquire(timeout=1.0):
+            with contextlib.suppress(OSError):
+                conn.send(("stop", {}))
+            lock.release()
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

@@ -27,10 +27,14 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from common.errors import NOTHING_LOADED, RefitError
+
+if TYPE_CHECKING:
+    from common.transport import Transport
 
 log = logging.getLogger(__name__)
 PauseMode = Literal["abort", "wait", "keep"]
@@ -81,7 +85,7 @@ class EngineClient(ABC):
         self.version: int | None = None  # last complete version, learnt at join
         self.failed: tuple[int, str] | None = None  # (version, why) until a refit lands
         self.paused = False  # by this client
-        self._refit: tuple[int, Future] | None = None
+        self._refit: tuple[int, Future, float] | None = None  # version, call, timeout
         self._join_timeout_s = 300.0
         self._workers: int | None = None
         self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"engine {name}")
@@ -193,10 +197,13 @@ class EngineClient(ABC):
             raise EngineError(f"engine {self.name}: verify v{version} refused: the engine "
                               f"holds v{self.version}")
 
-    def refit_async(self, version: int, verify: bool = False) -> Future:
+    def refit_async(self, version: int, verify: bool = False,
+                    timeout_s: float | None = None) -> Future:
         """Start receiving refit `version` (call `pause` first); returns at once. `verify`:
         the trainers resend the version the engine holds; each worker applies it and fails
-        the refit if a param it can read changed (it did not hold those bytes)."""
+        the refit if a param it can read changed (it did not hold those bytes). `timeout_s`
+        (the refit's own timeout, `RefitConfig.timeout_s`; default: the join's) bounds the
+        engine's answer, and `finish`'s wait for it once the trainers have sent."""
         if verify:
             self.check_verify(version)
         else:
@@ -206,12 +213,14 @@ class EngineClient(ABC):
             raise EngineError(f"engine {self.name}: {what} refused: pause the engine first "
                               f"(vLLM does not guard a weight update against requests)")
 
+        timeout_s = self._join_timeout_s if timeout_s is None else timeout_s
+
         def refit() -> None:
             self._start()
-            self._update({"version": version, "verify": verify}, self._join_timeout_s)
+            self._update({"version": version, "verify": verify}, timeout_s)
 
         future = self._submit(what, refit)
-        self._refit = (version, future)
+        self._refit = (version, future, timeout_s)
         return future
 
     def finish(self, version: int) -> None:
@@ -219,10 +228,11 @@ class EngineClient(ABC):
         if self._refit is None or self._refit[0] != version:
             raise EngineError(f"engine {self.name}: finish v{version} without refit_async"
                               f"({version})")
-        _, future = self._refit
+        _, future, timeout_s = self._refit
         self._refit = None
         try:
-            future.result(self._join_timeout_s + self.timeout_s)
+            _result_within(future, timeout_s, f"engine {self.name}: no answer to refit "
+                                              f"v{version}")
         except Exception as e:  # noqa: BLE001 - recorded, then raised with both versions
             if NOTHING_LOADED in str(e):  # every worker says so: the old weights are intact
                 raise EngineError(f"engine {self.name}: refit v{version} failed before any "
@@ -232,7 +242,11 @@ class EngineClient(ABC):
             raise EngineError(f"engine {self.name}: refit v{version} failed; the engine stays "
                               f"paused and reports v{self.version}, the last complete version: "
                               f"{e}") from e
-        self._do(f"finish v{version}", lambda: self._finish(str(version)))
+        try:
+            self._do(f"finish v{version}", lambda: self._finish(str(version)))
+        except EngineError as e:  # the bytes are in, the version is not: not servable
+            self.failed = (version, str(e))
+            raise
         self.version, self.failed = version, None
 
     def _submit(self, what: str, fn: Callable[[], None]) -> Future:
@@ -286,34 +300,67 @@ class EngineFleet:
         _all(self.engines, lambda e: e.finish(version))
 
     def refit(self, send: Callable[[], T], version: int, mode: PauseMode = "keep",
-              verify: bool = False) -> T:
+              verify: bool = False, group: Transport | None = None) -> T:
         """Pause, receive while `send()` broadcasts (the sender's refit on training rank 0),
         finish and resume every engine; returns what `send` returned. A failure raises; an
         engine it left intact (no worker loaded a byte) is resumed and serves its last
         version, the others stay paused and refuse to serve until a refit lands. `verify`:
-        `version` is the one the engines hold, resent to check it (`refit_async`)."""
-        t0 = time.perf_counter()
-        check = EngineClient.check_verify if verify else EngineClient.check_refit
-        _all(self.engines, lambda e: check(e, version))  # before any engine pauses
-        self.pause(mode)
-        for engine in self.engines:
-            engine.refit_async(version, verify)
+        `version` is the one the engines hold, resent to check it (`refit_async`).
+
+        `group`: rank 0's refit group (pass it whenever this runs on training rank 0). The
+        refit's verdict then reaches every trainer: the other trainers' `sender.refit`
+        returns only once every engine committed the version, and raises if one did not; a
+        failure here before or during the send writes the group's abort record (every
+        trainer raises within a second; rebuild the group), one after it the verdict. The
+        engines' calls are bounded by the group's refit timeout. Without `group` (a driver
+        outside the group, e.g. Ray's `TrainerGroup`) the verdict is this call alone."""
+        if group is not None and group.rank != 0:
+            raise ValueError(f"EngineFleet.refit runs on refit rank 0, not {group.label}")
+        t0, phase = time.perf_counter(), "before"
+        if group is not None:
+            group.verdict_by_caller = True
         try:
-            result = send()
+            check = EngineClient.check_verify if verify else EngineClient.check_refit
+            _all(self.engines, lambda e: check(e, version))  # before any engine pauses
+            self.pause(mode)
+            for engine in self.engines:
+                engine.refit_async(version, verify, group.timeout_s if group else None)
+            phase = "during"
+            result = self._send(send, version)
+            phase = "after"
+            self._commit(version)
+        except BaseException as e:
+            if group is not None:
+                _tell_trainers(group, version, e, phase)
+            raise
+        finally:
+            if group is not None:
+                group.verdict_by_caller = False
+        if group is not None:
+            group.publish_verdict(None)
+        log.info("refit v%d into %d engine(s): %.1f ms paused (mode %s)", version,
+                 len(self.engines), (time.perf_counter() - t0) * 1e3, mode)
+        return result
+
+    def _send(self, send: Callable[[], T], version: int) -> T:
+        """`send()`; if it fails, each engine's refit is waited for (recording its failure)
+        and the engines it left intact are resumed."""
+        try:
+            return send()
         except BaseException:
             with contextlib.suppress(EngineError):  # records each engine's failure
                 self.finish(version)
             self._resume_intact()
             raise
+
+    def _commit(self, version: int) -> None:
+        """Finish (commit `version`) and resume every engine, after the bytes arrived."""
         try:
             self.finish(version)
         except EngineError:
             self._resume_intact()
             raise
         self.resume()
-        log.info("refit v%d into %d engine(s): %.1f ms paused (mode %s)", version,
-                 len(self.engines), (time.perf_counter() - t0) * 1e3, mode)
-        return result
 
     def _resume_intact(self) -> None:
         """After a failed refit: resume the engines it left intact (nothing loaded)."""
@@ -346,6 +393,29 @@ class FleetFuture:
         if errors:
             raise errors[0]
         return out
+
+
+def _result_within(future: Future, timeout_s: float, what: str) -> Any:
+    """`future.result()` within `timeout_s`, or a `TimeoutError` that says what and how long."""
+    try:
+        return future.result(timeout_s)
+    except FutureTimeout:
+        raise TimeoutError(f"{what} within {timeout_s:.0f}s (the refit's timeout)") from None
+
+
+def _tell_trainers(group: Transport, version: int, error: BaseException, phase: str) -> None:
+    """Rank 0's failure outside the collectives, to the other trainers: after the send, the
+    verdict (they wait for it); before it, or from the send but not from the refit protocol
+    (which told every rank itself: its status exchange or abort record), the abort record
+    (they wait in a collective)."""
+    if phase == "during" and isinstance(error, RefitError):
+        return
+    why = f"EngineFleet.refit v{version} failed {phase} the send: {type(error).__name__}: {error}"
+    with contextlib.suppress(Exception):  # a dead store: the others notice it themselves
+        if phase == "after":
+            group.publish_verdict(why)
+        else:
+            group.post_abort(why)
 
 
 def _all(engines: Sequence[EngineClient], call: Callable[[EngineClient], None]) -> None:

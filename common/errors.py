@@ -25,7 +25,8 @@ class TensorMismatchError(RefitError):
 
 
 class RefitAborted(RefitError):
-    """The sending rank aborted this refit before a bucket was sent; nothing of it was loaded."""
+    """The refit did not land: a rank failed it, or the engines did not commit it (the message
+    names who, and says when nothing of it was loaded)."""
 
 
 class ConversionError(RefitError, LookupError):

@@ -24,6 +24,7 @@ import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
+from common.addresses import local_address_toward
 from common.transport import Transport, padded
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,12 @@ class RefitGroup(Transport):
                 opts._timeout = timeout
                 with _env(_NCCL_ENV):
                     self._pg = dist.ProcessGroupNCCL(self._data_store, rank, world_size, opts)
-            else:
-                self._pg = dist.ProcessGroupGloo(self._data_store, rank, world_size, timeout)
+            else:  # gloo listens on this rank's address on the route to rank 0's `host`
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = timeout
+                opts._devices = [dist.ProcessGroupGloo.create_device(
+                    hostname=local_address_toward(host, port))]
+                self._pg = dist.ProcessGroupGloo(self._data_store, rank, world_size, opts)
         except Exception as e:  # noqa: BLE001 - rewrap with who/where
             raise self.join_error(e) from e
         log.info("%s joined refit group %r (%s, world %d) in %.2fs", self.label, name,
@@ -147,7 +152,9 @@ class RefitGroup(Transport):
         return [bytes(o.cpu().numpy().tobytes()).rstrip(b"\0") for o in outs]
 
     def destroy(self) -> None:
-        """Leave the group (after a failure, abort it); safe to call twice."""
+        """Leave the group (after a failure, abort it); safe to call twice. Rank 0 first
+        lets the other trainers read its last verdict (`Transport.linger_for_verdict`)."""
+        self.linger_for_verdict()
         pg, self._pg = getattr(self, "_pg", None), None
         if pg is not None and self.backend == "nccl":
             with contextlib.suppress(Exception):

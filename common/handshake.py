@@ -23,10 +23,12 @@ STATUS_BYTES = 480  # one rank's status record in the all-gather
 PlanCheck = Callable[[RefitPlan], str | None]
 
 
-def encode_status(error: str, times: dict[str, float]) -> bytes:
-    """A rank's end-of-refit record: its error ("" if none) and its own timings, as JSON that
-    fits the status slot (the error text is cut to fit)."""
-    record = {"times": {k: round(v, 6) for k, v in times.items()}, "error": error}
+def encode_status(error: str, times: dict[str, float], verdict: bool = False) -> bytes:
+    """A rank's end-of-refit record: its error ("" if none), its own timings and (rank 0)
+    whether a verdict follows the commit, as JSON that fits the status slot (the error text
+    is cut to fit)."""
+    record = {"times": {k: round(v, 6) for k, v in times.items()}, "error": error,
+              "verdict": verdict}
     while len(raw := json.dumps(record).encode()) > STATUS_BYTES:
         record["error"] = record["error"][: -(len(raw) - STATUS_BYTES) - 3]
     return raw
@@ -36,8 +38,10 @@ def decode_status(raw: bytes) -> dict:
     try:
         record = json.loads(raw.decode())
     except ValueError:  # a record cut by the slot, or a peer of another protocol version
-        return {"times": {}, "error": raw.decode(errors="replace") or "unreadable status"}
-    return {"times": record.get("times", {}), "error": record.get("error", "")}
+        return {"times": {}, "error": raw.decode(errors="replace") or "unreadable status",
+                "verdict": False}
+    return {"times": record.get("times", {}), "error": record.get("error", ""),
+            "verdict": bool(record.get("verdict"))}
 
 
 def agree_on_plan(
@@ -77,7 +81,9 @@ def exchange_status(group: Transport, stats: RefitStats, error: BaseException | 
                     t0: float) -> RefitStats:
     """Every rank's end-of-refit status (its error and timings) to every rank: raise on
     every rank if any failed (noting when no receiver loaded a byte); else `stats` with each
-    receiver's timings."""
+    receiver's timings. When rank 0 commits the refit to the engines after this exchange
+    (`Transport.verdict_by_caller`), the other trainers then wait for its verdict: every
+    trainer's refit returns only if the engines committed it."""
     if group.device.type == "cuda":
         # This rank's own work on its stream (packs, header copies, the loader's copies);
         # the collectives were waited. Not the whole device: the training job's other
@@ -87,8 +93,10 @@ def exchange_status(group: Transport, stats: RefitStats, error: BaseException | 
     mine = "" if error is None else f"{type(error).__name__}: {error}"
     times = {"seconds": stats.seconds, "wait_s": stats.wait_s, "load_s": stats.load_s,
              "post_s": stats.post_s, "buckets_loaded": stats.buckets_loaded}
-    statuses = group.all_gather_bytes(encode_status(mine, times), STATUS_BYTES,
-                                      f"refit v{stats.version} status")
+    group.refits += 1
+    statuses = group.all_gather_bytes(
+        encode_status(mine, times, group.rank == 0 and group.verdict_by_caller), STATUS_BYTES,
+        f"refit v{stats.version} status")
     stats.seconds = time.perf_counter() - t0
     records = {r: decode_status(s) for r, s in enumerate(statuses)}
     failed = {r: rec["error"] for r, rec in records.items() if rec["error"]}
@@ -105,5 +113,7 @@ def exchange_status(group: Transport, stats: RefitStats, error: BaseException | 
         lines = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
         raise RefitAborted(f"{group.label}: refit v{stats.version} did not land "
                            f"(failed on {sorted(failed)}): {lines}{note}")
+    if group.is_trainer and group.rank != 0 and records[0]["verdict"]:
+        group.await_verdict(f"refit v{stats.version}")
     log.info("%s %s", group.label, stats.summary())
     return stats

@@ -13,7 +13,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import requests
@@ -21,7 +21,9 @@ import requests
 from common.engine_client import Completion, EngineClient, EngineError, PauseMode
 
 _BODY_CHARS = 2000  # of an error response kept in the message: vLLM can send whole tracebacks
-_MARGIN_S = 30.0  # beyond a join's / refit's own timeout: the route answers after the group
+_MARGIN_S = 30.0  # beyond a join's own timeout: the route answers after the group's rendezvous
+_WATCH_S = 1.0  # how often a call still outstanding looks at the server's liveness
+_HEALTH_TIMEOUT_S = 2.0  # a slower /health answer says "busy", not "dead"
 GENERATE = "/inference/v1/generate"
 
 
@@ -29,17 +31,59 @@ class HttpEngine(EngineClient):
     """One `vllm serve` server (every worker of it: TP x PP x DP) at `url` (module docstring).
 
     Each call is one plain request (no shared session: the refit runs on the client's thread
-    pool while the caller pauses, generates or reads versions), bounded by `timeout_s`.
+    pool while the caller pauses, generates or reads versions), bounded by `timeout_s`. While
+    it is outstanding the server's liveness is watched every second: vLLM's engine-dead
+    signal (`GET /health` -> 503, as soon as its engine core died), refused connections, and
+    `alive()` when given (e.g. `VllmServer.client()`: whether the server process exited,
+    returning why, else None); a dead engine fails the call at once, naming it.
     """
 
-    def __init__(self, url: str, name: str | None = None, timeout_s: float = 60.0) -> None:
+    def __init__(self, url: str, name: str | None = None, timeout_s: float = 60.0,
+                 alive: Callable[[], str | None] | None = None) -> None:
         super().__init__(name or url.rstrip("/"), timeout_s)
-        self.url = url.rstrip("/")
+        self.url, self.alive = url.rstrip("/"), alive
 
     def _call(self, method: str, route: str, timeout_s: float | None = None,
               **kwargs: Any) -> requests.Response:
-        """One request; any failure raises naming the engine, method, route, status and body."""
+        """One request, the server's liveness watched meanwhile (class docstring); any
+        failure raises naming the engine, method, route, status and body."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def request() -> None:
+            try:
+                box["response"] = self._request(method, route, timeout, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - raised by the caller's thread
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=request, name=f"{self.name} {method} {route}",
+                         daemon=True).start()  # daemon: a dead server's socket may hang
+        while not done.wait(_WATCH_S):
+            if why := self.dead():
+                raise EngineError(f"engine {self.name}: {method} {route} abandoned: the engine "
+                                  f"died ({why})")
+        if "error" in box:
+            raise box["error"]
+        return box["response"]
+
+    def dead(self) -> str | None:
+        """Why the server is dead, or None while it lives (or only answers slowly)."""
+        if self.alive is not None and (why := self.alive()):
+            return why
+        try:
+            status = requests.get(self.url + "/health", timeout=_HEALTH_TIMEOUT_S).status_code
+        except requests.ConnectionError as e:
+            return f"the server refuses connections: {e}"
+        except requests.RequestException:
+            return None
+        return ("GET /health -> 503: vLLM reports its engine core dead" if status == 503
+                else None)
+
+    def _request(self, method: str, route: str, timeout: float,
+                 **kwargs: Any) -> requests.Response:
         try:
             response = requests.request(method, self.url + route, timeout=timeout, **kwargs)
         except requests.RequestException as e:
@@ -78,7 +122,7 @@ class HttpEngine(EngineClient):
 
     def _update(self, info: dict[str, Any], timeout_s: float) -> None:
         # answers once the whole refit has landed (or failed) on every worker
-        self._call("POST", "/update_weights", timeout_s + _MARGIN_S, json={"update_info": info})
+        self._call("POST", "/update_weights", timeout_s, json={"update_info": info})
 
     def _finish(self, version: str) -> None:
         self._call("POST", "/finish_weight_update", json={"weight_version": version})

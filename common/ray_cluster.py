@@ -18,6 +18,7 @@ import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import ray
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common.addresses import bind_process_to, listening_fd
 from common.broadcast import RefitSender
 from common.errors import RefitError
 from common.group import RefitGroup, free_port
@@ -33,6 +35,7 @@ from common.plan import RefitPlan
 from common.source import WeightSource
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+_DIST_TIMEOUT_S = 300.0  # the trainers' own torch.distributed rendezvous (torch's default)
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ class TrainerActor(ABC):
     def __init__(self, *args: Any) -> None:
         self.args, self.sender, self.source = args, None, None
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        bind_process_to(ray.util.get_node_ip_address())  # gloo: the node's address, as Ray
 
     def whereabouts(self) -> tuple[str, int]:
         """This actor's node IP and pid (also a liveness check)."""
@@ -124,9 +128,12 @@ class TrainerActor(ABC):
         return ip, free_port(ip)
 
     def init_distributed(self, rank: int, world: int, addr: str, port: int) -> None:
+        """torch.distributed among the trainer actors; rank 0's store listens on `addr` only."""
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
-                                world_size=world)
+        listen = {"master_listen_fd": listening_fd(addr, port)} if rank == 0 else {}
+        store = dist.TCPStore(addr, port, world, is_master=rank == 0,
+                              timeout=timedelta(seconds=_DIST_TIMEOUT_S), **listen)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         self.source = self.build()
 
     @abstractmethod

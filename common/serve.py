@@ -23,6 +23,7 @@ from pathlib import Path
 import requests
 
 from common.engine import _LAUNCHER_VARS
+from common.engine_config import cpu_bind_mask
 from common.errors import RefitError
 from common.group import free_port
 from common.http_engine import HttpEngine
@@ -92,16 +93,8 @@ class ServeConfig:
         workers = self.tensor_parallel_size * self.data_parallel_size
         if workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             # CPU auto-binding wants a NUMA node per worker: give each its own cores instead
-            env["VLLM_CPU_OMP_THREADS_BIND"] = _bind_mask(workers, self.threads)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_mask(workers, self.threads)
         return env
-
-
-def _bind_mask(workers: int, threads: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `workers` local workers ([DP, PP, TP] order): `threads`
-    consecutive allowed cores each, wrapping around when there are fewer cores than that."""
-    cores = sorted(os.sched_getaffinity(0))
-    return "|".join(",".join(str(cores[(w * threads + t) % len(cores)]) for t in range(threads))
-                    for w in range(workers))
 
 
 def live_group_pids(pgid: int) -> list[int]:
@@ -140,8 +133,16 @@ class VllmServer:
         return f"http://{self.config.host}:{self.port}"
 
     def client(self, **kwargs: object) -> HttpEngine:
-        """An `HttpEngine` for this server (`timeout_s` default: `call_timeout_s`)."""
-        return HttpEngine(self.url, **{"timeout_s": self.config.call_timeout_s, **kwargs})
+        """An `HttpEngine` for this server (`timeout_s` default: `call_timeout_s`), which also
+        watches this process's exit while a call is outstanding."""
+        return HttpEngine(self.url, **{"timeout_s": self.config.call_timeout_s,
+                                       "alive": self.exited, **kwargs})
+
+    def exited(self) -> str | None:
+        """Why the server's API server process is gone, or None while it runs."""
+        code = self.proc.poll()
+        return None if code is None else (f"its API server process exited with code {code}; "
+                                          f"log {self.log_path}")
 
     def wait_ready(self) -> float:
         """Poll GET /health until 200; returns the seconds since the start. Raises

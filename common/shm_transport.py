@@ -146,6 +146,7 @@ class ShmTransport(Transport):
         be reading the end-of-refit status), then unlink them; rank 0, which hosts the store
         the peers acknowledge through, also waits for every live peer to leave. Each wait
         lasts at most `LINGER_S`."""
+        self.linger_for_verdict()
         deadline = time.monotonic() + min(self.timeout_s, LINGER_S)
         with contextlib.suppress(Exception):  # a dead store or peer: nobody is left to read
             self._linger(self._reap, deadline)

@@ -26,11 +26,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common.errors import RefitCommError, RefitError
+from common.addresses import listening_fd
+from common.errors import RefitAborted, RefitCommError, RefitError
 
 ABORT_POLL_S = 0.25  # how often a waiting rank looks for another rank's abort record
 FIRST_SLEEP_S = 20e-6  # the first sleep between polls of a collective (then doubling)
 _ABORT_KEY = "abort"
+_VERDICT_KEY = "verdict/{}"
+_VERDICT_READ_KEY = "verdict_read/{}"
+VERDICT_LINGER_S = 10.0  # rank 0, leaving: the longest wait for the trainers to read a verdict
 
 
 class Abandoned(RefitError):
@@ -63,10 +67,17 @@ class Transport(ABC):
         self.aborted: str | None = None  # why this rank gave the group up, once it has
         # Who holds which ranks (e.g. {2: "engine http://host:8000", ..}), named in failures.
         self.rank_names = dict(rank_names or {})
+        # Rank 0 (a trainer) publishes each refit's verdict when a caller commits it to the
+        # engines (`common.engine_client.EngineFleet.refit`); the other trainers wait for it.
+        self.verdict_by_caller = False
+        self.refits = 0  # end-of-refit status exchanges so far: the key of each verdict
+        self._published: int | None = None  # rank 0: the last verdict it published
         try:
+            # The store listens on `host` only (TCPStore alone would listen on every address).
+            listen = {"master_listen_fd": listening_fd(host, port)} if rank == 0 else {}
             self._store = dist.TCPStore(host, port, world_size, is_master=rank == 0,
                                         timeout=timedelta(seconds=self.timeout_s),
-                                        wait_for_workers=False)
+                                        wait_for_workers=False, **listen)
         except Exception as e:  # noqa: BLE001 - rewrap with who/where
             raise self.join_error(e) from e
         self._data_store = dist.PrefixStore(f"refit/{name}/", self._store)
@@ -170,6 +181,42 @@ class Transport(ABC):
             return (f"the refit group's store stopped answering ({clean(e)}): refit rank 0 "
                     f"(trainer), which hosts it, probably died")
         return f"{record['rank']} failed first: {record['cause']}"
+
+    def publish_verdict(self, error: str | None) -> None:
+        """Rank 0: the verdict of the refit whose status was exchanged last ("" = it landed
+        on every engine), for the trainers waiting in `await_verdict`."""
+        self._control.set(_VERDICT_KEY.format(self.refits), json.dumps({"error": error or ""}))
+        self._published = self.refits
+
+    def await_verdict(self, what: str) -> None:
+        """A trainer other than rank 0: wait (bounded, reading the abort record) for rank 0's
+        verdict of the refit whose status was exchanged last; raise `RefitAborted` with rank
+        0's error if it did not land."""
+        key, t0 = _VERDICT_KEY.format(self.refits), time.monotonic()
+        try:
+            self._poll(lambda: self._control.check([key]), t0 + self.timeout_s, 2e-3)
+        except Exception as e:  # noqa: BLE001 - an abort, the deadline, or the store's death
+            raise RefitCommError(f"{self.label}: {what}: no verdict from refit rank 0 after "
+                                 f"{time.monotonic() - t0:.1f}s: {clean(e) or type(e).__name__}"
+                                 f"{self.members()}") from None
+        error = json.loads(self._control.get(key))["error"]
+        self._control.add(_VERDICT_READ_KEY.format(self.refits), 1)  # rank 0 may now leave
+        if error:
+            raise RefitAborted(f"{self.label}: {what} did not land (refit rank 0's verdict, "
+                               f"after the bytes arrived): {error}")
+
+    def linger_for_verdict(self) -> None:
+        """Rank 0, leaving: the store it hosts goes with it, so first let the other trainers
+        read the last verdict it published (at most `VERDICT_LINGER_S`; not after an abort)."""
+        if self._published is None or self.num_trainers == 1:
+            return
+        key, deadline = _VERDICT_READ_KEY.format(self._published), time.monotonic() + min(
+            self.timeout_s, VERDICT_LINGER_S)
+        with contextlib.suppress(Exception):  # a dead store: nobody is left to read it
+            while (self.aborted is None and time.monotonic() < deadline
+                   and int(self._control.add(key, 0)) < self.num_trainers - 1):
+                time.sleep(1e-3)
+        self._published = None
 
     def members(self) -> str:
         """The ranks of `rank_names` as runs (e.g. `; peers: ranks 2-3 engine X`), or ""."""

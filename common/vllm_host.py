@@ -10,23 +10,31 @@ methods only: the process that builds an `LLMHost` is an engine process.
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from typing import Any
 
 import torch
 
-from common.engine_config import EngineConfig
+from common.addresses import bind_process_to
+from common.engine_config import EngineConfig, cpu_bind_mask
 
 _PAUSED = "engine is paused for a weight update: resume it before generating"
 
 
 def configure_process(config: EngineConfig, in_process: bool) -> None:
     """The engine process's settings, before vllm is imported: whether the engine core and
-    worker run in this process, threads, the AMX workaround."""
+    worker run in this process, threads and their cores (TP > 1 on CPU), the AMX workaround."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ["OMP_NUM_THREADS"] = str(config.threads)
     os.environ["REFIT_APPLY"] = config.apply
+    if config.workers() > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_mask(config.workers(),
+                                                                config.threads)
     torch.set_num_threads(config.threads)
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():  # a Ray actor: vLLM binds the node's IP
+        bind_process_to(ray.util.get_node_ip_address())
     if config.disable_cpu_amx:
         os.environ["REFIT_DISABLE_CPU_AMX"] = "1"  # applied by refit_vllm_plugin
 
@@ -145,7 +153,10 @@ def serve(conn: Any, config: EngineConfig) -> None:
         return
     conn.send(("ok", None))
     while True:
-        method, kwargs = conn.recv()
+        try:
+            method, kwargs = conn.recv()
+        except EOFError:  # the trainer process is gone: shut down with it
+            return
         if method == "stop":
             return
         try:

@@ -88,7 +88,8 @@ def train_and_refit(args, model, source, sender, fleet: EngineFleet | None,
             sender.refit(source, version=step)
             continue
         t0 = time.perf_counter()
-        stats = fleet.refit(lambda s=step: sender.refit(source, version=s), step, args.pause)
+        stats = fleet.refit(lambda s=step: sender.refit(source, version=s), step, args.pause,
+                            group=sender.group)
         paused = time.perf_counter() - t0
         engine = fleet.engines[0]
         record["greedy"].append(greedy(engine, PROMPTS, PROBE_TOKENS)[0])

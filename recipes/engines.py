@@ -80,7 +80,8 @@ class OneTrainer:
     source: DictWeightSource
 
     def refit(self, version: int, mode: str = "keep"):
-        return self.fleet.refit(lambda: self.sender.refit(self.source, version), version, mode)
+        return self.fleet.refit(lambda: self.sender.refit(self.source, version), version, mode,
+                              group=self.group)
 
 
 def join_one_trainer(engines: list, state: dict[str, torch.Tensor], timeout_s: float = 60.0,

@@ -234,7 +234,8 @@ def train_and_refit(args, layout, model, opt, source, plan, sender, fleet, workd
         train_s = time.perf_counter() - t1
         t1 = time.perf_counter()
         if fleet is not None:
-            stats = fleet.refit(lambda s=step: sender.refit(source, version=s), step, args.pause)
+            stats = fleet.refit(lambda s=step: sender.refit(source, version=s), step, args.pause,
+                                group=sender.group)
         else:
             stats = sender.refit(source, version=step)
         total = time.perf_counter() - t1

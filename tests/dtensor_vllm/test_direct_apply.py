@@ -20,11 +20,17 @@ from safetensors.torch import load_file
 from common.engine import LocalEngine
 from common.engine_client import EngineError
 from common.errors import RefitError
-from common.source import DictWeightSource
 from recipes.vllm_checks import compare_params, vllm_layout
 from tests.dtensor.shard import Case
 from tests.dtensor_vllm.harness import initial_checkpoint
-from tests.dtensor_vllm.helpers import PROMPTS, engine_config, greedy, join_one_trainer
+from tests.dtensor_vllm.helpers import (
+    PROMPTS,
+    DriftAt,
+    engine_config,
+    greedy,
+    join_one_trainer,
+    new_version,
+)
 
 pytestmark = pytest.mark.slow
 ARCHS = ("qwen3", "qwen3_moe", "deepseek_v3")
@@ -47,13 +53,6 @@ def pair(request, tmp_path_factory):
             engine.close()
 
 
-def _step(state: dict[str, torch.Tensor], seed: int) -> None:
-    """A new version of every tensor, in place (dtypes kept: the fp32 router bias too)."""
-    g = torch.Generator().manual_seed(seed)
-    for name, t in state.items():
-        state[name] = (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(t.dtype)
-
-
 def _assert_same_engines(engines, state) -> None:
     direct, loaders = (e.read() for e in engines)
     assert sorted(direct) == sorted(loaders)
@@ -67,7 +66,7 @@ def _assert_same_engines(engines, state) -> None:
 def test_direct_refits_equal_load_weights_bit_for_bit(pair) -> None:
     arch, trainer, engines, state = pair
     for version in (1, 2, 3):  # 1 learns the map (through load_weights), 2 and 3 apply it
-        _step(state, version)
+        new_version(state, version)
         trainer.refit(version)
         _assert_same_engines(engines, state)
     (report,) = engines[0].apply_reports()
@@ -80,27 +79,15 @@ def test_direct_refits_equal_load_weights_bit_for_bit(pair) -> None:
     assert engines[1].apply_reports() == [{"path": "load_weights"}]
 
 
-class _DriftAt(DictWeightSource):
-    """Yields tensor `name` as fp32 where the plan says bf16: the sender aborts there."""
-
-    def __init__(self, tensors, name: str) -> None:
-        super().__init__(tensors)
-        self.name = name
-
-    def iter_tensors(self, plan):
-        for name, t in super().iter_tensors(plan):
-            yield name, (t.float() if name == self.name else t)
-
-
 def test_a_direct_refit_failing_midway_refuses_to_serve_until_one_lands(pair) -> None:
     arch, trainer, engines, state = pair
     if arch != "qwen3_moe":
         pytest.skip("one model is enough for the engine-state rules")
     version = int(engines[0].weight_version()) + 1
-    _step(state, 100 + version)
+    new_version(state, 100 + version)
     late = list(state)[-2]  # buckets before it are already applied when the sender aborts
     with pytest.raises(Exception, match=late.replace(".", r"\.")):
-        trainer.fleet.refit(lambda: trainer.sender.refit(_DriftAt(state, late), version),
+        trainer.fleet.refit(lambda: trainer.sender.refit(DriftAt(state, late), version),
                             version, "keep")
     for engine in engines:
         assert engine.failed is not None and engine.failed[0] == version
@@ -119,7 +106,7 @@ def test_verify_passes_on_the_weights_the_engines_hold_and_names_a_param_they_do
         pytest.skip("one model is enough for the verification")
     version = int(engines[0].weight_version())
     send = lambda: trainer.sender.refit(trainer.source, version)  # noqa: E731
-    trainer.fleet.refit(send, version, verify=True)
+    trainer.fleet.refit(send, version, verify=True, group=trainer.group)
     for engine in engines:
         (report,) = engine.apply_reports()
         assert report["last_verify"]["differ"] == 0 and report["last_verify"]["compared"] >= 4
@@ -127,7 +114,7 @@ def test_verify_passes_on_the_weights_the_engines_hold_and_names_a_param_they_do
     norm = next(n for n in state if n.endswith("norm.weight"))
     state[norm] = state[norm] * 2
     with pytest.raises(RefitError, match=f"(?s)verify v{version}: 1 of .*{re.escape(norm)}"):
-        trainer.fleet.refit(send, version, verify=True)
+        trainer.fleet.refit(send, version, verify=True, group=trainer.group)
     for engine in engines:
         assert engine.failed is not None
     trainer.refit(version + 1)  # a complete refit repairs them

@@ -121,7 +121,7 @@ class Rig:
                 during()
             return self.sender.refit(source, version)
 
-        return self.fleet.refit(send, version, mode)
+        return self.fleet.refit(send, version, mode, group=self.group)
 
 
 def _long_tokens(engine: HttpEngine) -> int:

@@ -11,9 +11,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -113,7 +115,7 @@ def _refit_into_dying_server(rank: int, world: int, port: int, url: str, pgid: i
     t0, out = time.monotonic(), {}
     try:
         if fleet is not None:
-            fleet.refit(lambda: sender.refit(source, 1), 1)
+            fleet.refit(lambda: sender.refit(source, 1), 1, group=group)
         else:
             sender.refit(source, 1)
         out["first"] = ("ok", "")
@@ -146,7 +148,7 @@ def _refit_into_replacement(rank: int, state: dict, config) -> dict:
             sender.refit(source, 2)
         else:
             joining.result(TIMEOUT_S)
-            fleet.refit(lambda: sender.refit(source, 2), 2)
+            fleet.refit(lambda: sender.refit(source, 2), 2, group=group)
             engine = fleet.engines[0]
             out["version"] = engine.weight_version()
             out["greedy"] = [(o.tokens, o.logprobs) for o in engine.generate(PROMPTS, SHORT)]
@@ -158,16 +160,30 @@ def _refit_into_replacement(rank: int, state: dict, config) -> dict:
     return out
 
 
-def kill_trainer(rank: int, world: int, port: int, dist_port: int, url: str, pgid: int,
-                 states: list, config) -> dict:
-    """Every trainer: v1 into a server killed mid-refit, then v2 into a replacement."""
+@contextlib.contextmanager
+def trainers_dist(rank: int, dist_port: int) -> Iterator[None]:
+    """The trainers' own gloo group (rank 0 hands ports and world sizes out through it)."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
                             world_size=TRAINERS)
     try:
-        out = _refit_into_dying_server(rank, world, port, url, pgid, states[0])
-        return out | _refit_into_replacement(rank, states[1], config)
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def replacement_trainer(rank: int, world: int, port: int, dist_port: int, state: dict,
+                        config) -> dict:
+    """Every trainer: v2 into a replacement server that rank 0 starts from `config`."""
+    with trainers_dist(rank, dist_port):
+        return _refit_into_replacement(rank, state, config)
+
+
+def kill_trainer(rank: int, world: int, port: int, dist_port: int, url: str, pgid: int,
+                 states: list, config) -> dict:
+    """Every trainer: v1 into a server killed mid-refit, then v2 into a replacement."""
+    with trainers_dist(rank, dist_port):
+        out = _refit_into_dying_server(rank, world, port, url, pgid, states[0])
+        return out | _refit_into_replacement(rank, states[1], config)
 
 
 def test_a_server_killed_mid_refit_fails_every_trainer_and_a_replacement_takes_over(

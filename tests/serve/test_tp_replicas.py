@@ -54,7 +54,7 @@ def test_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_engine(checkpoints
             joining.result(TIMEOUT_S)
         try:
             with timed("refit v1 into 4 workers"):
-                stats = fleet.refit(lambda: sender.refit(source, 1), 1)
+                stats = fleet.refit(lambda: sender.refit(source, 1), 1, group=group)
             print(f"[serve] {stats.summary()}")
             assert sorted(stats.receivers) == [1, 2, 3, 4]  # every worker reported its times
             assert engine.weight_version() == "1"
@@ -65,7 +65,7 @@ def test_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_engine(checkpoints
             # v1 taught every worker its load map (its own TP shard); v2 and v3 apply it
             for version, state, expected in ((2, 0, before), (3, 1, [want, want])):
                 source.tensors = checkpoints.states[state]
-                fleet.refit(lambda v=version: sender.refit(source, v), version)
+                fleet.refit(lambda v=version: sender.refit(source, v), version, group=group)
                 for r in range(DP):
                     assert _greedy(engine, r) == expected[r], f"v{version}: replica {r} differs"
         finally:

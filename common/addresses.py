@@ -1,0 +1,54 @@
+"""Which local address a socket of the refit group binds, so that nothing listens wider than
+the address the job was given (a loopback-only cluster stays on loopback; a multi-NIC node
+talks over the interface that routes to rank 0, not whatever its hostname resolves to)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][0]
+
+
+def listening_fd(host: str, port: int) -> int:
+    """A TCP socket listening on `host`:`port` only, as a file descriptor the caller owns
+    (handed to `TCPStore(master_listen_fd=...)`, which otherwise listens on every address)."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
+
+
+def local_address_toward(host: str, port: int) -> str:
+    """This machine's address on the route to `host` (no packet is sent: a UDP socket is only
+    connected): the address peers reach this rank at when they reach `host` like it does."""
+    with socket.socket(_family(host), socket.SOCK_DGRAM) as sock:
+        sock.connect((host, port or 9))
+        return sock.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds `address` (e.g. "lo" for 127.0.0.1), or
+    None: what GLOO_SOCKET_IFNAME takes for a group that torch builds itself."""
+    import psutil  # a dependency of ray, the only caller's world
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addrs):
+            return name
+    return None
+
+
+def bind_process_to(address: str) -> None:
+    """Sockets that torch (gloo's default device) and vLLM (`VLLM_HOST_IP`) open in this
+    process bind `address`, e.g. the IP Ray gave this node, unless the user already chose
+    (GLOO_SOCKET_IFNAME / VLLM_HOST_IP set)."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ and (name := interface_of(address)):
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+    os.environ.setdefault("VLLM_HOST_IP", address)
