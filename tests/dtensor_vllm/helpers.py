@@ -42,6 +42,25 @@ def expected_params(checkpoint_dir) -> dict[str, torch.Tensor]:
     return vllm_layout(load_file(f"{checkpoint_dir}/model.safetensors"))
 
 
+def new_version(state: dict[str, torch.Tensor], seed: int) -> None:
+    """A new version of every tensor, in place (dtypes kept: the fp32 router bias too)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, t in state.items():
+        state[name] = (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(t.dtype)
+
+
+class DriftAt(DictWeightSource):
+    """Yields tensor `name` as fp32 where the plan says bf16: the sender aborts there."""
+
+    def __init__(self, tensors, name: str) -> None:
+        super().__init__(tensors)
+        self.name = name
+
+    def iter_tensors(self, plan):
+        for name, t in super().iter_tensors(plan):
+            yield name, (t.float() if name == self.name else t)
+
+
 class KillingSource(DictWeightSource):
     """Yields one tensor per `delay_s` and calls `kill()` before tensor `after` (a peer dying
     mid-refit, some buckets already loaded); `killed_at` records when."""
