@@ -126,6 +126,10 @@ class LLMHost:
         """Per worker: how it applies refits (path, tensors and bytes per path, why)."""
         return self.llm.collective_rpc(_apply_report)
 
+    def shutdown(self) -> None:
+        """Stop vLLM's engine core and its workers (TP > 1: their processes) cleanly."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def read(self, names: list[str] | None) -> dict[str, torch.Tensor]:
         """Worker 0's params (in this process: the worker lives here)."""
         return self.llm.collective_rpc(_read_params, args=(names,))[0]
@@ -158,6 +162,7 @@ def serve(conn: Any, config: EngineConfig) -> None:
         except EOFError:  # the trainer process is gone: shut down with it
             return
         if method == "stop":
+            host.shutdown()
             return
         try:
             conn.send(("ok", getattr(host, method)(**kwargs)))

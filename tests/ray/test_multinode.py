@@ -59,8 +59,26 @@ def _node_ips(ray, group) -> set[str]:
     return {ips[node] for node in placement_group_table(group)["bundles_to_node_id"].values()}
 
 
-def test_trainers_and_an_engine_on_different_nodes_refit(cluster, tmp_path) -> None:
+def join_and_refit(ray, trainers, fleet, engine) -> str:
+    """The trainers (rank 0 hosting the store) and `engine` join a refit group, v1 lands and
+    changes the engine's greedy tokens; returns the store's host."""
     from common.config import RefitConfig
+
+    host, port = ray.get(trainers.actors[0].address.remote(), timeout=TIMEOUT_S)
+    joining = fleet.join_async(host, port, 2, timeout_s=TIMEOUT_S)
+    trainers.call("join_refit", host, port, fleet.world_size(2), fleet.rank_names(2),
+                  RefitConfig(bucket_bytes=64 << 10), TIMEOUT_S)
+    joining.result(TIMEOUT_S)
+    before = engine.generate([[1, 2, 3]], 6)
+    stats = trainers.refit(fleet, 1)
+    assert [s["version"] for s in stats] == [1, 1] and sorted(stats[0]["receivers"]) == [2]
+    (after,) = engine.generate([[1, 2, 3]], 6)
+    assert engine.weight_version() == "1" and after.weight_versions == [("1", 0, 6)]
+    assert after.tokens != before[0].tokens
+    return host
+
+
+def test_trainers_and_an_engine_on_different_nodes_refit(cluster, tmp_path) -> None:
     from common.engine_client import EngineFleet
     from common.engine_config import EngineConfig
     from common.ray_engine import RayEngine
@@ -81,18 +99,8 @@ def test_trainers_and_an_engine_on_different_nodes_refit(cluster, tmp_path) -> N
         config = EngineConfig(model=str(tmp_path / "v0"), llm_kwargs=tiny_llm_kwargs(64))
         engine = RayEngine.start(config, name="engine@127.0.0.2", **placement.engine_options(0))
         fleet = EngineFleet([engine])
-        host, port = cluster.get(trainers.actors[0].address.remote(), timeout=TIMEOUT_S)
+        host = join_and_refit(cluster, trainers, fleet, engine)
         assert host in trainer_ips  # the refit group's store lives on the trainers' node
-        joining = fleet.join_async(host, port, 2, timeout_s=TIMEOUT_S)
-        trainers.call("join_refit", host, port, fleet.world_size(2), fleet.rank_names(2),
-                      RefitConfig(bucket_bytes=64 << 10), TIMEOUT_S)
-        joining.result(TIMEOUT_S)
-        before = engine.generate([[1, 2, 3]], 6)
-        stats = trainers.refit(fleet, 1)
-        assert [s["version"] for s in stats] == [1, 1] and sorted(stats[0]["receivers"]) == [2]
-        (after,) = engine.generate([[1, 2, 3]], 6)
-        assert engine.weight_version() == "1" and after.weight_versions == [("1", 0, 6)]
-        assert after.tokens != before[0].tokens
     finally:
         if fleet is not None:
             fleet.close()
