@@ -51,7 +51,7 @@ class HostedEngine(EngineClient):
         self._call("start_update")
 
     def _update(self, info: dict[str, Any], timeout_s: float) -> None:
-        self._call("update", timeout_s + self.timeout_s, info=info)
+        self._call("update", timeout_s, info=info)
 
     def _finish(self, version: str) -> None:
         self._call("finish", version=version)
