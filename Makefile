@@ -5,12 +5,13 @@ PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
-# The venv's ninja builds the sender's native checks (common/native.py) on first use.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: setup demo test test-fast lint bench
+# The sender's native checks (common/native.py) are built here, not in a first refit's setup.
 setup:
 	@bash scripts/setup_venv.sh
+	@$(PY) -m common.native
 
 demo: setup
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 recipes/megatron_refit.py

@@ -3,22 +3,22 @@
 At tens of thousands of MoE tensors the sender's Python work per tensor (name, dtype, shape,
 device, contiguity, address) takes longer than NVLink needs to move them. `BucketScan.take`
 checks a whole bucket's (name, tensor) items in one call that borrows every reference and
-collects the addresses for the pack kernel. The
-extension is built once per machine by torch's JIT loader (a C++ compiler and ninja; cached
-under TORCH_EXTENSIONS_DIR per ninja, Python and torch, rebuilt when this source changes);
-when it cannot be built, the Python path is used and one warning says why. `REFIT_NATIVE=0`
-turns it off.
-`python -m common.native` builds it ahead of time (e.g. in a container image): the first
-build takes ~25 s, which otherwise falls into the first `RefitSender.setup`.
+collects the addresses for the pack kernel. The extension is built once per (source, Python,
+torch) by torch's JIT loader (a C++ compiler and ninja) under TORCH_EXTENSIONS_DIR; any later
+process imports the built library directly, whichever ninja is on PATH (two ninja versions
+cannot read each other's build logs, so letting torch's loader decide meant a full rebuild
+inside `RefitSender.setup` while the peers wait). `make setup` builds it (`python -m
+common.native`); when it cannot be built, the Python path is used and one warning says why.
+`REFIT_NATIVE=0` turns it off.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import itertools
 import logging
 import os
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -32,26 +32,53 @@ from common.plan import TensorSpec
 log = logging.getLogger(__name__)
 
 _SOURCE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.cpp")
+_NAME = "refit_native"
+_FUNCTIONS = ["scalar_type", "take", "copy_bytes"]
 
 _module: ModuleType | None = None
 _tried = False
 
 
-def _build_directory() -> str:
-    """One build per (ninja, Python, torch): two ninja versions on one machine (a venv's and
-    the system's, picked by PATH) cannot read each other's build logs, so sharing a directory
-    made every switch a full ~25 s rebuild, inside `RefitSender.setup` while peers wait."""
+def _build_directory(source: str) -> str:
+    """Where the library for this source, Python and torch is (or will be) built."""
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    key = f"{shutil.which('ninja')}|{sys.version}|{torch.__version__}"
-    path = os.path.join(root, f"refit_native_{hashlib.sha1(key.encode()).hexdigest()[:12]}")
-    os.makedirs(path, exist_ok=True)
-    return path
+    key = f"{source}|{sys.version}|{torch.__version__}"
+    return os.path.join(root, f"{_NAME}_{hashlib.sha1(key.encode()).hexdigest()[:12]}")
+
+
+def _import_built(directory: str) -> ModuleType | None:
+    """The library a finished build left in `directory` (its stamp written last), or None."""
+    library = os.path.join(directory, f"{_NAME}.so")
+    if not os.path.exists(os.path.join(directory, "built")) or not os.path.exists(library):
+        return None
+    spec = importlib.util.spec_from_file_location(_NAME, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(source: str, directory: str) -> ModuleType:
+    """Compile with torch's JIT loader (the venv's ninja first on PATH), then stamp."""
+    from torch.utils.cpp_extension import load_inline
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), path])
+    try:
+        module = load_inline(_NAME, cpp_sources=source, functions=_FUNCTIONS,
+                             extra_cflags=["-O2"], build_directory=directory)
+    finally:
+        os.environ["PATH"] = path
+    with open(os.path.join(directory, "built"), "w") as f:
+        f.write(f"{sys.version}|{torch.__version__}\n")
+    return module
 
 
 def load() -> ModuleType | None:
-    """The compiled extension, built on first use; None when off or not buildable here."""
+    """The compiled extension (imported if built, else built now); None when off or not
+    buildable here."""
     global _module, _tried
     if _tried:
         return _module
@@ -60,17 +87,16 @@ def load() -> ModuleType | None:
         return None
     t0 = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import load_inline
-
         with open(_SOURCE_FILE) as f:
             source = f.read()
-        _module = load_inline("refit_native", cpp_sources=source,
-                              functions=["scalar_type", "take", "copy_bytes"],
-                              extra_cflags=["-O2"], build_directory=_build_directory())
+        directory = _build_directory(source)
+        _module, how = _import_built(directory), "imported"
+        if _module is None:
+            _module, how = _build(source, directory), "built (once per source, Python, torch)"
     except Exception as e:  # noqa: BLE001 - no compiler / ninja: the Python path still works
         log.warning("refit native checks unavailable, using the Python path: %s", e)
         return None
-    log.info("refit native checks ready in %.1fs", time.perf_counter() - t0)
+    log.info("refit native checks %s in %.1fs: %s", how, time.perf_counter() - t0, directory)
     return _module
 
 
