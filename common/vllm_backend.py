@@ -47,9 +47,9 @@ from common.plan import RefitPlan
 from common.stats import RefitStats
 from common.vllm_apply import DirectLoad, learn
 from common.vllm_map_check import (
+    Kept,
     changed_params,
     check_map,
-    keep_payload,
     readable_params,
     reload_kept,
 )
@@ -173,7 +173,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         held = readable_params(self.model) if verify else None
         receiver, model, loaded = self.receiver, self.model, set()
         direct, recorder = self._pick_path()
-        kept: dict[int, torch.Tensor] | None = {} if recorder and _verify_map() else None
+        kept = Kept(model) if recorder and _verify_map() else None
         watch = recorder if recorder is not None else contextlib.nullcontext()
         t0 = time.perf_counter()
         if direct is not None:
@@ -188,7 +188,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             else:
                 if kept is not None:
                     index = self._bucket_of[items[0][0]]
-                    kept[index] = keep_payload(items, receiver.plan.buckets[index].nbytes)
+                    kept.keep(index, items, receiver.plan.buckets[index].nbytes)
                 loaded.update(self._load(items, recorder))
 
         def finalize() -> None:  # before the status exchange: its failure reaches every rank
@@ -210,6 +210,8 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         finally:
             if recorder is not None:
                 recorder.close()
+            if kept is not None:
+                kept.close()
             if not finalized:  # the group failed mid-refit: close the reload session anyway
                 try:
                     finalize_layerwise_reload(model, self.model_config)
@@ -270,7 +272,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             return None, None
         return None, CopyRecorder({m: p for p, m in self.model.named_modules()})
 
-    def _learn(self, recorder: CopyRecorder, kept: dict[int, torch.Tensor] | None) -> None:
+    def _learn(self, recorder: CopyRecorder, kept: Kept | None) -> None:
         """Build the map from the refit `recorder` watched and check it against that refit's
         loads (`kept` bytes; None: REFIT_VERIFY_MAP=0); a failure keeps `load_weights`."""
         t0, label = time.perf_counter(), self.receiver.group.label
@@ -288,7 +290,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         if kept is not None:
             self._check_map(kept)
 
-    def _check_map(self, kept: dict[int, torch.Tensor]) -> None:
+    def _check_map(self, kept: Kept) -> None:
         """The map re-applies the learning refit's bytes; any difference drops it (and the
         bytes are loaded again through the loaders: the engine ends on their result)."""
         t0, label = time.perf_counter(), self.receiver.group.label
@@ -301,9 +303,11 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             why = f"re-applying failed: {type(e).__name__}: {e}"
         if why is None:
             self.apply_report.update(verified=check.compared, unreadable=check.unreadable,
+                                     processed=check.processed,
                                      check_s=time.perf_counter() - t0)
             log.info("%s: load map checked: %d params bit for bit as the loaders left them "
-                     "(%d filled params unreadable)", label, check.compared, check.unreadable)
+                     "(%d filled params unreadable), %d layers' processing given the loaders' "
+                     "bytes", label, check.compared, check.unreadable, check.processed)
             return
         log.error("%s: the load map does not reproduce load_weights (%s); every refit stays "
                   "on load_weights", label, why)

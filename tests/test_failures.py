@@ -265,7 +265,8 @@ def test_a_dead_rank_makes_every_other_rank_raise_in_seconds_and_the_group_rebui
 
 class CorruptingReceiver(RefitReceiver):
     """Damages bucket `bucket`'s received bytes before they are checked: `flip` the last byte,
-    or `swap` two bytes that differ (the same bytes, other positions)."""
+    `flip-first` the first one, or `swap` two bytes that differ (the same bytes, other
+    positions)."""
 
     damage: tuple[int, str] = (-1, "")
 
@@ -273,8 +274,8 @@ class CorruptingReceiver(RefitReceiver):
         index, how = self.damage
         if bucket.index == index:
             payload = target if bucket.direct else self.payload(bucket)
-            if how == "flip":
-                payload[-1] ^= 0xFF
+            if how.startswith("flip"):
+                payload[0 if how == "flip-first" else -1] ^= 0xFF
             else:
                 i, j = 0, next(k for k in range(1, payload.numel()) if payload[k] != payload[0])
                 payload[i], payload[j] = payload[j].clone(), payload[i].clone()
@@ -284,7 +285,9 @@ class CorruptingReceiver(RefitReceiver):
 DAMAGE = {2: (1, "swap"), 3: (3, "flip")}  # receiver rank: (bucket, how)
 
 
-def corrupted_rank(rank: int, world: int, port: int) -> dict:
+def corrupted_rank(rank: int, world: int, port: int, damage: dict | None = None) -> dict:
+    """`damage`: {receiver rank: (bucket, how)} (default `DAMAGE`)."""
+    damage = damage or DAMAGE
     config, group = join(rank, world, port)
     config = dataclasses.replace(config, checksum=True)
     if group.is_trainer:
@@ -294,7 +297,7 @@ def corrupted_rank(rank: int, world: int, port: int) -> dict:
         return {"first": outcome(lambda: sender.refit(source, 1)),
                 "second": outcome(lambda: sender.refit(source, 2))}
     receiver = CorruptingReceiver(group, RefitReceiver.setup(group).plan)
-    receiver.damage = DAMAGE[rank]
+    receiver.damage = damage[rank]
     seen: list[str] = []
     first = outcome(lambda: receiver.receive(lambda items: seen.extend(n for n, _ in items)))
     receiver.damage = (-1, "")
@@ -302,12 +305,17 @@ def corrupted_rank(rank: int, world: int, port: int) -> dict:
     ok = stats.version == 2 and all(torch.equal(got[n], t) for n, t in tensors(2).items())
     return {"first": first, "second": ("ok", "") if ok else ("wrong", ""), "seen": seen,
             "damaged": [s.name for s in receiver.plan.bucket_specs(
-                receiver.plan.buckets[DAMAGE[rank][0]])]}
+                receiver.plan.buckets[damage[rank][0]])]}
 
 
 def test_a_flipped_or_swapped_byte_fails_the_refit_everywhere_naming_bucket_and_receiver():
-    res = expect_ok(run_ranks(corrupted_rank, 4))
-    for rank, (bucket, _) in DAMAGE.items():
+    check_corrupted(expect_ok(run_ranks(corrupted_rank, 4)), DAMAGE)
+
+
+def check_corrupted(res: dict, damage: dict) -> None:
+    """Each damaged receiver names its bucket and loaded nothing of it; the trainers learn
+    of every damaged receiver; the same group then carries a clean refit."""
+    for rank, (bucket, _) in damage.items():
         kind, msg = res[rank]["first"]
         assert kind == "RefitError" and f"bucket {bucket}/" in msg and "corrupted" in msg, msg
         assert f"refit rank {rank}/4" in msg and "CRC-32" in msg, msg

@@ -10,7 +10,9 @@ the gloo refit group and same-host shared memory, 2 trainer ranks + 1 receiver (
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 
 import pytest
@@ -85,14 +87,20 @@ def test_round_trips_and_an_abort_behave_alike_on_every_transport(kind: str) -> 
         assert res[rank]["abort"][0] == "RefitAborted" and "rank 0" in res[rank]["abort"][1]
 
 
-def dying_receiver_rank(rank: int, world: int, port: int, kind: str) -> tuple:
+def dying_receiver_rank(rank: int, world: int, port: int, kind: str, hold=None) -> tuple:
+    """`hold` (a barrier of the trainers): keep the process, and so its sockets, alive after
+    raising until every trainer has raised; only the abort record can then carry the death."""
     transport, config = _join(kind, rank, world, port)
     source = DictWeightSource(_weights(1))
     if transport.is_trainer:
         sender = RefitSender.setup(transport, RefitPlan.build(source.plan_specs(), config))
         t0 = time.monotonic()
         kind_msg = outcome(lambda: sender.refit(source, 1))
-        return (*kind_msg, time.monotonic() - t0)
+        elapsed = time.monotonic() - t0
+        if hold is not None:
+            with contextlib.suppress(threading.BrokenBarrierError):  # the other one never raised
+                hold.wait(TIMEOUT_S / 2)
+        return (*kind_msg, elapsed)
     receiver = RefitReceiver.setup(transport)
     calls = []
 

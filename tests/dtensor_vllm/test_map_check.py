@@ -45,13 +45,15 @@ def _corrupting(learn):
     return learn_badly
 
 
-def engine_child(ckpt: str, port: int, corrupt: bool, queue, read) -> None:
+def engine_child(ckpt: str, port: int, fault, queue, read) -> None:
+    """An engine that takes refit v1 (the learning refit), its map learning wrapped by
+    `fault(learn)` unless None; puts its apply report and params on `queue`."""
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", REFIT_DISABLE_CPU_AMX="1")
     import common.vllm_backend as backend
     from common.vllm_host import _apply_report, _read_params
 
-    if corrupt:
-        backend.learn = _corrupting(backend.learn)
+    if fault is not None:
+        backend.learn = fault(backend.learn)
     from vllm import LLM
 
     llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True,
@@ -67,15 +69,16 @@ def engine_child(ckpt: str, port: int, corrupt: bool, queue, read) -> None:
     read.wait(60)  # the tensors travel by file descriptor: stay until they are taken
 
 
-@pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "defective"])
-def test_the_map_is_checked_against_the_loaders_and_dropped_when_it_differs(tmp_path, corrupt):
+def learning_refit(tmp_path, fault=None) -> tuple[dict, dict]:
+    """Refit v1 from this process into an `engine_child` (its map learning wrapped by
+    `fault`): (the state sent, what the engine put on its queue)."""
     from safetensors.torch import load_file
 
     ckpt = initial_checkpoint(Case("qwen3", dp=2), tmp_path / "start")
     state = {n: t * 1.5 for n, t in load_file(f"{ckpt}/model.safetensors").items()}
     port, ctx = free_port(), mp.get_context("spawn")
     queue, read = ctx.Queue(), ctx.Event()
-    child = ctx.Process(target=engine_child, args=(ckpt, port, corrupt, queue, read))
+    child = ctx.Process(target=engine_child, args=(ckpt, port, fault, queue, read))
     child.start()
     try:
         group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=2, num_trainers=1,
@@ -91,6 +94,12 @@ def test_the_map_is_checked_against_the_loaders_and_dropped_when_it_differs(tmp_
         child.join(timeout=60)
         if child.is_alive():
             child.kill()
+    return state, got
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "defective"])
+def test_the_map_is_checked_against_the_loaders_and_dropped_when_it_differs(tmp_path, corrupt):
+    state, got = learning_refit(tmp_path, _corrupting if corrupt else None)
     assert compare_params(got["params"], vllm_layout(state)) >= 4
     report = got["report"]
     if corrupt:
@@ -99,3 +108,4 @@ def test_the_map_is_checked_against_the_loaders_and_dropped_when_it_differs(tmp_
     else:
         assert report["path"] == "direct" and report["verified"] >= 4, report
         assert report["unreadable"] > 0, "CPU kernels empty the linear weights: counted"
+        assert report["processed"] > 0, "the processed layers' inputs were compared"
