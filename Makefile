@@ -8,10 +8,10 @@ export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: setup demo test test-fast lint bench
-# The sender's native checks (common/native.py) are built here, not in a first refit's setup.
+# The sender's native checks (common/kernels/native.py) are built here, not in a first refit's setup.
 setup:
 	@bash scripts/setup_venv.sh
-	@$(PY) -m common.native
+	@$(PY) -m common.kernels.native
 
 demo: setup
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 recipes/megatron_refit.py

@@ -46,6 +46,6 @@ def create_engine(*args: object, **kwargs: object) -> object:
             f"the vLLM process imports a package named 'common' from {found or common!r}, not "
             f"refit's ({_COMMON}); put refit's checkout (or its installed package) ahead of it "
             f"on sys.path / PYTHONPATH of the vLLM processes")
-    from common.vllm_backend import RefitTransferEngine
+    from common.in_vllm.backend import RefitTransferEngine
 
     return RefitTransferEngine(*args, **kwargs)

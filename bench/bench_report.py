@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from model_shapes import MODELS, Shapes
 
-from common import native
-from common.group import RefitGroup
+from common.kernels import native
+from common.wire.group import RefitGroup
 
 METHODS = ("naive", "coalesced_1buf", "coalesced_2buf", "coalesced_3buf", "forwarded_2buf",
            "raw")

@@ -32,10 +32,10 @@ from model_shapes import MODELS, Shapes, qwen3_shapes, scaled
 from common.broadcast import RefitReceiver, RefitSender, RefitStats, _Endpoint
 from common.bucket_check import BucketChecker
 from common.config import RefitConfig
-from common.group import RefitGroup, free_port
 from common.packing import BucketLayout, byte_view
 from common.plan import RefitPlan, TensorSpec, align_up
 from common.source import DictWeightSource, WeightSource
+from common.wire.group import RefitGroup, free_port
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # recipes.*
 

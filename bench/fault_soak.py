@@ -82,9 +82,9 @@ def rank_main(rank: int, port: int, timeout_s: float, conn) -> None:
     from common.broadcast import RefitReceiver, RefitSender
     from common.config import RefitConfig
     from common.errors import RefitCommError, RefitError
-    from common.group import RefitGroup
     from common.plan import RefitPlan
     from common.source import DictWeightSource
+    from common.wire.group import RefitGroup
 
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=TRAINERS + RECEIVERS,
                        num_trainers=TRAINERS, timeout_s=timeout_s, device="cpu")
@@ -139,7 +139,7 @@ class Generation:
     """One set of rank processes in one refit group."""
 
     def __init__(self, timeout_s: float) -> None:
-        from common.group import free_port
+        from common.wire.group import free_port
 
         ctx, port = mp.get_context("spawn"), free_port()
         self.conns, self.procs = [], []

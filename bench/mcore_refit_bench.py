@@ -32,8 +32,8 @@ from broadcast_bench import NO_MULTICAST, run_ranks, timed
 
 from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
-from common.group import RefitGroup, free_port
 from common.plan import RefitPlan
+from common.wire.group import RefitGroup, free_port
 
 GPU_VOCAB = 32768
 

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.load_map import BucketCopy  # noqa: E402
+from common.in_vllm.load_map import BucketCopy  # noqa: E402
 
 MODELS = {  # name -> Qwen3-MoE config fields
     "moe": dict(num_hidden_layers=4, num_experts=128, hidden_size=128, moe_intermediate_size=128,
@@ -74,7 +74,7 @@ def bench_model(name: str, root: Path, refits: int) -> dict:
     """Both engines of one model through `refits` refits; per engine its apply times."""
     from safetensors.torch import load_file
 
-    from common.engine import LocalEngine
+    from common.clients.local_engine import LocalEngine
     from common.engine_config import EngineConfig
     from recipes.engines import LOCAL_LLM_KWARGS, join_one_trainer
 

@@ -24,9 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from common import checksum, native
 from common.bucket_check import BucketChecker
-from common.bucket_header import HEADER_BYTES, STATUS_ABORT, STATUS_OK, Header
 from common.errors import (
     RefitAborted,
     RefitCommError,
@@ -34,11 +32,14 @@ from common.errors import (
     TensorMismatchError,
 )
 from common.handshake import PlanCheck, agree_on_plan, exchange_status
+from common.kernels import native
 from common.packing import BucketLayout, byte_view
 from common.plan import Bucket, RefitPlan, align_up
 from common.source import WeightSource
 from common.stats import RefitStats
-from common.transport import Transport
+from common.wire import checksum
+from common.wire.bucket_header import HEADER_BYTES, STATUS_ABORT, STATUS_OK, Header
+from common.wire.transport import Transport
 
 log = logging.getLogger(__name__)
 BucketCallback = Callable[[list[tuple[str, torch.Tensor]]], None]

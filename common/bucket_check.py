@@ -16,8 +16,8 @@ from operator import attrgetter, itemgetter
 import numpy as np
 import torch
 
-from common import native
 from common.errors import RefitError, TensorMismatchError
+from common.kernels import native
 from common.plan import Bucket, RefitPlan, TensorSpec, dtype_name
 
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)

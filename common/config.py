@@ -47,7 +47,7 @@ class RefitConfig:
         bucket's one), so on GPUs it pays only for large tensors; CPU/gloo, where packing costs
         CPU time, gains from a lower value.
     checksum: the sender stamps each bucket's payload checksum into its header and every
-        receiver checks the bytes it received before loading them (`common.checksum`; CPU
+        receiver checks the bytes it received before loading them (`common.wire.checksum`; CPU
         groups; what it costs is measured by `bench/broadcast_bench.py`).
     """
 

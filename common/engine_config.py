@@ -1,4 +1,5 @@
-"""How to start a vLLM engine that the trainer hosts in a child process (`common.engine`)."""
+"""How to start a vLLM engine hosted by the trainer (a child process:
+`common.clients.local_engine`; a Ray actor: `common.clients.ray_engine`). Both sides read it."""
 
 from __future__ import annotations
 

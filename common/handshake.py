@@ -14,7 +14,7 @@ import torch
 from common.errors import NOTHING_LOADED, PlanMismatchError, RefitAborted, RefitError
 from common.plan import RefitPlan
 from common.stats import RefitStats
-from common.transport import Transport
+from common.wire.transport import Transport
 
 log = logging.getLogger(__name__)
 

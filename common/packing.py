@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from common import native
-from common.pack_kernel import BufferKernel, kernel_available
+from common.kernels import native
+from common.kernels.pack_kernel import BufferKernel, kernel_available
 from common.plan import TensorSpec
 
 

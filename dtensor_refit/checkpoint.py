@@ -1,7 +1,7 @@
 """Training-side pre-flight: does a plan fit a HF checkpoint folder (names, shapes, dtypes)?
 
 The receiver vets the plan against the checkpoint its engine started from (the same check,
-in `common.vllm_backend`); a trainer that can see the same folder (the base model it started
+in `common.in_vllm.backend`); a trainer that can see the same folder (the base model it started
 from) can run the same check before it ever joins the refit group, and get every problem at
 once instead of the first. Headers are read by `common.checkpoint` (no tensor data is read).
 """

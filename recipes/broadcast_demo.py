@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
-from common.group import RefitGroup
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.wire.group import RefitGroup
 
 TRAINERS, STEPS, EXPERTS, LAYERS = 2, 3, 64, 8
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 from common.broadcast import RefitSender
+from common.clients.engine_client import EngineClient, EngineFleet
 from common.config import RefitConfig
-from common.engine_client import EngineClient, EngineFleet
-from common.group import RefitGroup, free_port
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.wire.group import RefitGroup, free_port
 
 KINDS = ("serve", "local")
 MAX_MODEL_LEN, KV_CACHE_BYTES = 128, 64 << 20
@@ -35,7 +35,7 @@ LOCAL_LLM_KWARGS = tiny_llm_kwargs()
 def open_engine(kind: str, checkpoint: str, log_dir: str | Path) -> Iterator[EngineClient]:
     """An engine started on `checkpoint`, stopped on exit; a server logs to `log_dir`."""
     if kind == "serve":
-        from common.serve import ServeConfig, VllmServer
+        from common.clients.serve import ServeConfig, VllmServer
 
         name = Path(checkpoint).name
         config = ServeConfig(model=checkpoint, max_model_len=MAX_MODEL_LEN,
@@ -45,7 +45,7 @@ def open_engine(kind: str, checkpoint: str, log_dir: str | Path) -> Iterator[Eng
             with server.client() as client:
                 yield client
     elif kind == "local":
-        from common.engine import LocalEngine
+        from common.clients.local_engine import LocalEngine
         from common.engine_config import EngineConfig
 
         with LocalEngine(EngineConfig(model=checkpoint, llm_kwargs=LOCAL_LLM_KWARGS)) as client:

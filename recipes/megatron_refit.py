@@ -35,10 +35,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
 
 from common.broadcast import RefitSender  # noqa: E402
+from common.clients.engine_client import PAUSE_MODES, EngineClient, EngineFleet  # noqa: E402
 from common.config import RefitConfig  # noqa: E402
-from common.engine_client import PAUSE_MODES, EngineClient, EngineFleet  # noqa: E402
-from common.group import RefitGroup, free_port  # noqa: E402
 from common.plan import RefitPlan  # noqa: E402
+from common.wire.group import RefitGroup, free_port  # noqa: E402
 from recipes.engines import KINDS, greedy, open_engine, replayed_batches  # noqa: E402
 from recipes.mcore_configs import Layout, hf_config, setup_parallel  # noqa: E402
 from recipes.mcore_models import (  # noqa: E402

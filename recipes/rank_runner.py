@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from common.group import free_port
+from common.wire.group import free_port
 
 Outcome = tuple[str, Any]
 

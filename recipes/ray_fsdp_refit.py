@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
 
-from common.ray_cluster import RayLayout, TrainerActor  # noqa: E402
+from common.launch.ray_cluster import RayLayout, TrainerActor  # noqa: E402
 from recipes.dtensor_fsdp_refit import PROBE_TOKENS, PROMPTS, fsdp_step, tiny_qwen3  # noqa: E402,E501
 from recipes.engines import tiny_llm_kwargs  # noqa: E402
 from recipes.ray_loop import Batches, main_loop, parser  # noqa: E402

@@ -23,17 +23,17 @@ from pathlib import Path
 import ray
 import torch
 
+from common.clients.engine_client import PAUSE_MODES, EngineError, EngineFleet
+from common.clients.ray_engine import RayEngine
 from common.config import RefitConfig
-from common.engine_client import PAUSE_MODES, EngineError, EngineFleet
 from common.engine_config import EngineConfig
-from common.ray_cluster import (
+from common.launch.ray_cluster import (
     RayLayout,
     RayPlacement,
     TrainerFailure,
     TrainerGroup,
     start_trainers,
 )
-from common.ray_engine import RayEngine
 from recipes.engines import greedy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,8 +69,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 def generate_async(engines: list[RayEngine], batch: list[list[int]], new_tokens: int) -> list:
     share = -(-len(batch) // len(engines))
-    return [(e, e.actor.generate.remote(batch[i * share:(i + 1) * share], new_tokens,
-                                        {"ignore_eos": True})) for i, e in enumerate(engines)]
+    return [(e, e.remote("generate", prompts=batch[i * share:(i + 1) * share],
+                         max_tokens=new_tokens, sampling={"ignore_eos": True}))
+            for i, e in enumerate(engines)]
 
 
 def collect(pending: list, batch: list[list[int]], new_tokens: int,
@@ -84,8 +85,9 @@ def collect(pending: list, batch: list[list[int]], new_tokens: int,
             tokens, spans = list(out["tokens"]), list(out["weight_versions"])
             while out["finish_reason"] == "abort" and len(tokens) < new_tokens:
                 prompt = batch[len(samples)] + tokens
-                (out,) = ray.get(engine.actor.generate.remote(
-                    [prompt], new_tokens - len(tokens), {"ignore_eos": True}), timeout=timeout_s)
+                (out,) = ray.get(engine.remote("generate", prompts=[prompt],
+                                               max_tokens=new_tokens - len(tokens),
+                                               sampling={"ignore_eos": True}), timeout=timeout_s)
                 tokens, spans = tokens + out["tokens"], spans + list(out["weight_versions"])
             samples.append({"tokens": batch[len(samples)] + tokens,
                             "versions": sorted({v for v, _, _ in spans}, key=int)})

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
 
-from common.ray_cluster import RayLayout, TrainerActor  # noqa: E402
+from common.launch.ray_cluster import RayLayout, TrainerActor  # noqa: E402
 from recipes.engines import tiny_llm_kwargs  # noqa: E402
 from recipes.mcore_models import MAX_POS, MICRO, MICROBATCHES, SEQ, VOCAB  # noqa: E402
 from recipes.megatron_refit import NEW_TOKENS, PROMPTS  # noqa: E402

@@ -20,9 +20,9 @@ from common.errors import (
     RefitError,
     TensorMismatchError,
 )
-from common.group import RefitGroup, free_port
 from common.plan import RefitPlan, TensorSpec
 from common.source import DictWeightSource
+from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
 from tests.multiproc import expect_ok, outcome, receive_all
 

@@ -7,8 +7,8 @@ import torch
 
 from common.broadcast import RefitSender
 from common.config import RefitConfig
-from common.group import RefitGroup, free_port
 from common.plan import RefitPlan
+from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
 from tests.multiproc import GatheringSource, expect_ok
 
@@ -163,7 +163,7 @@ def test_scatter_kernel_copies_every_run_bit_for_bit_and_refuses_a_misaligned_de
     into a destination moved off its unit's alignment."""
     import numpy as np
 
-    from common.load_map import BucketCopy
+    from common.in_vllm.load_map import BucketCopy
 
     g = torch.Generator(device="cuda").manual_seed(0)
     buf = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda", generator=g)
@@ -189,8 +189,8 @@ def test_scatter_kernel_copies_every_run_bit_for_bit_and_refuses_a_misaligned_de
 
 
 def _reference_hash(payload: torch.Tensor) -> int:
-    """`common.hash_kernel`'s sum in plain torch int64 ops (words, then the tail bytes)."""
-    from common.hash_kernel import GOLDEN
+    """`common.kernels.hash_kernel`'s sum in plain torch int64 ops (words, then the tail bytes)."""
+    from common.kernels.hash_kernel import GOLDEN
 
     whole = payload.numel() // 4
     words = payload[: whole * 4].clone().view(torch.int32).to(torch.int64)
@@ -201,7 +201,7 @@ def _reference_hash(payload: torch.Tensor) -> int:
 
 
 def test_cuda_checksum_covers_every_byte_and_its_position() -> None:
-    from common import checksum
+    from common.wire import checksum
 
     g = torch.Generator(device="cuda").manual_seed(3)
     base = torch.randint(0, 256, (1 << 22,), dtype=torch.uint8, device="cuda", generator=g)
@@ -219,8 +219,8 @@ def test_cuda_checksum_covers_every_byte_and_its_position() -> None:
 def test_a_cuda_refit_stamps_each_bucket_header_with_its_payload_hash() -> None:
     """NCCL, world size 1 (the sender's side): checksum on, every bucket still in a buffer
     carries the hash of the bytes it holds, computed on the device without a host sync."""
-    from common import checksum
-    from common.bucket_header import HEADER_BYTES, Header
+    from common.wire import checksum
+    from common.wire.bucket_header import HEADER_BYTES, Header
 
     group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
                        num_trainers=1, timeout_s=60)

@@ -10,7 +10,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from common import checksum
+from common.wire import checksum
 from recipes.rank_runner import run_ranks
 from tests.multiproc import expect_ok
 from tests.test_failures import check_corrupted, corrupted_rank

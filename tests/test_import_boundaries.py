@@ -1,12 +1,15 @@
-"""The import rules the layout promises, checked in fresh interpreters where the forbidden
-packages cannot be imported at all (a meta-path finder refuses them):
+"""The import rules the layout promises.
 
-- `common/` imports neither vllm nor megatron at import time (only its `vllm_*` modules,
-  which run inside vLLM processes, import vllm);
-- the DTensor path never imports megatron (nor vllm);
-- the Megatron converters' rule tables import without megatron-core (the source imports it
-  when first used) and without vllm;
-- tests import the recipes' fixtures, never the reverse: nothing outside `tests/` imports it.
+By AST, every import of every module (function-level ones included), per room of `common/`:
+the rooms form layers (`errors` < `kernels` < `wire` < the core < `in_vllm` | `clients` <
+`launch`): a room imports only rooms below it, `in_vllm` and `clients` never each other;
+nothing outside `in_vllm` imports vllm; nothing in `common/` or the DTensor path imports
+megatron. Hosts that run inside vLLM are launched by name (a string), which no import sees.
+
+In fresh interpreters where the forbidden packages cannot be imported at all (a meta-path
+finder refuses them): every module outside `in_vllm` imports without vllm and megatron; the
+DTensor path without megatron; the Megatron rule tables without megatron-core and vllm. Tests
+import the recipes' fixtures, never the reverse.
 """
 
 from __future__ import annotations
@@ -19,8 +22,85 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = sorted(p.stem for p in (ROOT / "common").glob("*.py")
-                if p.stem != "__init__" and not p.stem.startswith("vllm_"))
+ROOMS = ("kernels", "wire", "in_vllm", "clients", "launch")
+# room -> the rooms it may import (besides `errors`, the leaf every room may import)
+ALLOWED = {"errors": set(), "kernels": set(), "wire": {"kernels"},
+           "core": {"kernels", "wire"}, "in_vllm": {"kernels", "wire", "core"},
+           "clients": {"kernels", "wire", "core"},
+           "launch": {"kernels", "wire", "core", "clients"}}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room_of(module: str) -> str | None:
+    """The room of a `common` module ("core" for the top level), None outside `common`."""
+    parts = module.split(".")
+    if parts[0] != "common":
+        return None
+    if len(parts) > 1 and parts[1] in ROOMS:
+        return parts[1]
+    return "errors" if parts[1:2] == ["errors"] else "core"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports anywhere in its body (`from a import b`: `a.b`, which for a
+    name that is not a module only adds a name under a module already counted)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def _modules(*dirs: str) -> dict[str, Path]:
+    return {module_name(p): p for d in dirs for p in (ROOT / d).rglob("*.py")}
+
+
+def boundary_problems(files: dict[str, Path]) -> list[str]:
+    """Each import that breaks a rule, as "module imports X (why)"."""
+    problems = []
+    for module, path in sorted(files.items()):
+        room = room_of(module)
+        for target in sorted(imported_modules(path)):
+            top = target.split(".")[0]
+            if top == "vllm" and room != "in_vllm":
+                problems.append(f"{module} imports {target} (only common.in_vllm imports vllm)")
+            if top == "megatron" and (room is not None or module.startswith("dtensor_refit")):
+                problems.append(f"{module} imports {target} (megatron stays in mcore_refit)")
+            to = room_of(target) if top == "common" else None
+            if room and to and to != room and to != "errors" and to not in ALLOWED[room]:
+                problems.append(f"{module} imports {target} (room {room} may not import {to})")
+    return problems
+
+
+def test_every_room_imports_only_the_rooms_below_it() -> None:
+    files = _modules("common", "dtensor_refit")
+    rooms = {room_of(m) for m in files}
+    assert rooms >= {*ROOMS, "core", "errors"}, rooms
+    assert not boundary_problems(files), "\n".join(boundary_problems(files))
+
+
+@pytest.mark.parametrize("plant, room", [
+    ("def planted():\n    import vllm\n", "clients"),
+    ("def planted():\n    from common.in_vllm import backend\n", "core"),
+    ("from common.clients.http_engine import HttpEngine\n", "in_vllm"),
+    ("import megatron.core\n", "core"),
+])
+def test_a_planted_import_across_a_boundary_is_found(tmp_path, plant: str, room: str) -> None:
+    """The rules see function-level imports and every direction: a module planted in `room`
+    with one forbidden import is reported."""
+    planted = tmp_path / "planted.py"
+    planted.write_text(plant)
+    module = f"common.{'' if room == 'core' else room + '.'}planted"
+    assert room_of(module) == room
+    problems = boundary_problems({module: planted})
+    assert problems and all(p.startswith(f"{module} imports") for p in problems), problems
 
 
 def _import_without(blocked: tuple[str, ...], modules: list[str]) -> subprocess.CompletedProcess:
@@ -40,8 +120,10 @@ for module in {modules!r}:
 
 @pytest.mark.parametrize("case", ["common", "dtensor", "mcore_tables"])
 def test_modules_import_without_the_packages_they_must_not_need(case: str) -> None:
+    outside_vllm = sorted(m for m in _modules("common") if room_of(m) not in ("in_vllm",)
+                          and room_of(m) != "launch")  # launch needs ray: imported below
     modules, blocked = {
-        "common": ([f"common.{m}" for m in COMMON], ("vllm", "megatron")),
+        "common": (outside_vllm + ["common.launch.ray_cluster"], ("vllm", "megatron")),
         "dtensor": (["dtensor_refit", "dtensor_refit.source", "dtensor_refit.stages"],
                     ("vllm", "megatron")),
         "mcore_tables": (["mcore_refit", "mcore_refit.arch", "mcore_refit.convert"],
@@ -52,20 +134,10 @@ def test_modules_import_without_the_packages_they_must_not_need(case: str) -> No
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def _imported_roots(path: Path) -> set[str]:
-    roots = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            roots |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            roots.add(node.module.split(".")[0])
-    return roots
-
-
 def test_nothing_outside_tests_imports_the_tests() -> None:
     files = [p for d in ("common", "dtensor_refit", "mcore_refit", "recipes", "bench")
              for p in (ROOT / d).rglob("*.py")]
     assert len(files) > 50 and any(p.name == "rank_runner.py" for p in files)
-    offenders = sorted(str(p.relative_to(ROOT)) for p in files if "tests" in _imported_roots(p))
+    offenders = sorted(str(p.relative_to(ROOT)) for p in files
+                       if any(m.split(".")[0] == "tests" for m in imported_modules(p)))
     assert not offenders, f"these import from tests/: {offenders}"
-

@@ -12,8 +12,8 @@ import torch
 
 from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
-from common.group import RefitGroup
 from common.plan import RefitPlan
+from common.wire.group import RefitGroup
 from recipes.rank_runner import run_ranks
 from tests.multiproc import GatheringSource, expect_ok
 

@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
-from common.group import RefitGroup, free_port
 from common.plan import RefitPlan, TensorSpec
 from common.source import WeightSource
+from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
 from tests.multiproc import expect_ok, receive_all
 from tests.test_failures import check_dead_peer, dead_peer_rank

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import native
+from common.kernels import native
 from common.plan import TensorSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,7 +132,7 @@ def test_a_built_library_is_imported_without_ninja_or_a_compiler(module) -> None
     """Once built (make setup), any process imports the library for the same source, Python
     and torch directly: no ninja, no compiler on PATH, no rebuild inside a first setup."""
     code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
-            "from common import native; assert native.load() is not None")
+            "from common.kernels import native; assert native.load() is not None")
     env = {**os.environ, "PATH": "/nonexistent", "REFIT_NATIVE": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           cwd=ROOT, timeout=120)

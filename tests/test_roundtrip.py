@@ -7,9 +7,9 @@ import torch
 
 from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
-from common.group import RefitGroup
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.wire.group import RefitGroup
 from recipes.rank_runner import run_ranks
 from tests.multiproc import expect_ok, receive_all
 

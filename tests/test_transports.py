@@ -20,10 +20,10 @@ import torch
 
 from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
-from common.group import RefitGroup
 from common.plan import RefitPlan
-from common.shm_transport import ShmTransport
 from common.source import DictWeightSource
+from common.wire.group import RefitGroup
+from common.wire.shm_transport import ShmTransport
 from recipes.rank_runner import run_ranks
 from tests.multiproc import expect_ok, outcome, receive_all
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from common.group import free_port
+from common.wire.group import free_port
 from recipes.rank_runner import RankPool
 
 POOL_WORLD = 5

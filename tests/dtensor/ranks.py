@@ -123,8 +123,8 @@ def _yields_on_rank0(mine: dict, rank: int, trainers: int) -> dict | None:
 def refit_job(rank: int, world: int, ports: tuple[int, int], case: Case) -> dict | None:
     from common.broadcast import RefitSender
     from common.config import RefitConfig
-    from common.group import RefitGroup
     from common.plan import RefitPlan
+    from common.wire.group import RefitGroup
 
     trainers = case.trainers
     if rank > trainers:
@@ -158,8 +158,8 @@ def refit_job(rank: int, world: int, ports: tuple[int, int], case: Case) -> dict
 def receiver_side(rank: int, trainers: int, port: int, case: Case, config) -> dict:
     """The vLLM-side rank: vets the plan against the checkpoint, checks two refits exactly."""
     from common.broadcast import RefitReceiver
-    from common.group import RefitGroup
     from common.plan import RefitPlan
+    from common.wire.group import RefitGroup
     from dtensor_refit import compare_with_checkpoint
     from tests.multiproc import receive_all
 

@@ -65,8 +65,8 @@ def _train(rank: int, layout: Layout, ports: tuple[int, int], config) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from common.broadcast import RefitSender
-    from common.group import RefitGroup
     from common.plan import RefitPlan
+    from common.wire.group import RefitGroup
     from dtensor_refit import DTensorWeightSource
 
     model = build_layout(layout)

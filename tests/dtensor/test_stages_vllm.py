@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.engine_client import EngineFleet
-from common.group import free_port
+from common.clients.engine_client import EngineFleet
+from common.wire.group import free_port
 from recipes.rank_runner import run_ranks
 from tests.dtensor.shard import build_unsharded
 from tests.dtensor.split import TRAINERS, Layout, build_layout
@@ -27,8 +27,8 @@ def _trainer(rank: int, world: int, port: int, dist_port: int) -> list:
     """One stage rank: build its part, double every weight (a "step"), refit version 1."""
     from common.broadcast import RefitSender
     from common.config import RefitConfig
-    from common.group import RefitGroup
     from common.plan import RefitPlan
+    from common.wire.group import RefitGroup
     from dtensor_refit import DTensorWeightSource, DtypePolicy
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.engine_client import EngineError, EngineFleet
-from common.group import free_port
+from common.clients.engine_client import EngineError, EngineFleet
+from common.wire.group import free_port
 from recipes.rank_runner import run_ranks
 from tests.dtensor.shard import Case, bias_names, build_unsharded, shard_model
 
@@ -67,8 +67,8 @@ def trainer_job(rank: int, world: int, port: int, case: Case, steps: list[int], 
 
     from common.broadcast import RefitSender
     from common.config import RefitConfig
-    from common.group import RefitGroup
     from common.plan import RefitPlan, TensorSpec
+    from common.wire.group import RefitGroup
     from dtensor_refit import DTensorWeightSource, DtypePolicy
     from tests.dtensor.models import make_model
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.engine_client import EngineError
+from common.clients.engine_client import EngineError
 from recipes.vllm_checks import compare_params
 from tests.dtensor.shard import Case
 from tests.dtensor_vllm.harness import initial_checkpoint, refit_round
@@ -57,7 +57,7 @@ def test_every_worker_runs_this_checkouts_backend(engines) -> None:
     root = Path(__file__).resolve().parents[2]
     for engine in engines:
         for origin in engine.backend_origin():
-            assert origin == {"backend": "common.vllm_backend.RefitTransferEngine",
+            assert origin == {"backend": "common.in_vllm.backend.RefitTransferEngine",
                               "common": str(root / "common")}
 
 

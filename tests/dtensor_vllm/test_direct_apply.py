@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.engine import LocalEngine
-from common.engine_client import EngineError
+from common.clients.engine_client import EngineError
+from common.clients.local_engine import LocalEngine
 from common.errors import RefitError
 from recipes.vllm_checks import compare_params, vllm_layout
 from tests.dtensor.shard import Case

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.engine import LocalEngine
-from common.engine_client import EngineError
+from common.clients.engine_client import EngineError
+from common.clients.local_engine import LocalEngine
 from common.engine_config import EngineConfig
 from common.errors import NOTHING_LOADED, RefitAborted, RefitError
 from recipes.vllm_checks import compare_params, vllm_layout

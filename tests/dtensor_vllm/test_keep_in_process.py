@@ -19,9 +19,9 @@ import torch
 
 from common.broadcast import RefitSender
 from common.config import RefitConfig
-from common.group import RefitGroup, free_port
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.wire.group import RefitGroup, free_port
 from tests.dtensor.models import make_model
 from tests.dtensor_vllm.helpers import LLM_KWARGS, start_engine
 

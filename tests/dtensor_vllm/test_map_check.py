@@ -17,9 +17,9 @@ import pytest
 
 from common.broadcast import RefitSender
 from common.config import RefitConfig
-from common.group import RefitGroup, free_port
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.wire.group import RefitGroup, free_port
 from recipes.vllm_checks import compare_params, vllm_layout
 from tests.dtensor.shard import Case
 from tests.dtensor_vllm.harness import initial_checkpoint
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 def _corrupting(learn):
     """`learn`, then one run into a norm weight reads two bytes late (a defective map)."""
-    from common.vllm_apply import COPY
+    from common.in_vllm.apply import COPY
 
     def learn_badly(*args, **kwargs):
         direct = learn(*args, **kwargs)
@@ -49,8 +49,8 @@ def engine_child(ckpt: str, port: int, fault, queue, read) -> None:
     """An engine that takes refit v1 (the learning refit), its map learning wrapped by
     `fault(learn)` unless None; puts its apply report and params on `queue`."""
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", REFIT_DISABLE_CPU_AMX="1")
-    import common.vllm_backend as backend
-    from common.vllm_host import _apply_report, _read_params
+    import common.in_vllm.backend as backend
+    from common.in_vllm.llm_host import _apply_report, _read_params
 
     if fault is not None:
         backend.learn = fault(backend.learn)

@@ -33,7 +33,7 @@ def ray_cluster():
 
 
 def test_an_engine_in_a_ray_actor_refits_like_a_fresh_engine(ray_cluster, tmp_path) -> None:
-    from common.ray_engine import RayEngine
+    from common.clients.ray_engine import RayEngine
 
     old = make_model("qwen3", dtype=torch.bfloat16)
     old.save_pretrained(tmp_path / "v0")
@@ -62,8 +62,8 @@ def test_a_serving_engine_actor_keeps_a_request_in_flight_across_a_refit(ray_clu
     """AsyncLLM in an async actor: a long request runs while the engine is paused (keep),
     refit and resumed; its tokens carry version 0, then 1. Then one cut short by a refit in
     mode abort is continued by the recipes' driver: versions 1, then 2, all its tokens."""
+    from common.clients.ray_engine import RayEngine
     from common.engine_config import EngineConfig
-    from common.ray_engine import RayEngine
     from tests.serve.conftest import MAX_MODEL_LEN, save_qwen3
 
     start = {n: t.clone() for n, t in make_model("qwen3", dtype=torch.bfloat16)
@@ -76,7 +76,8 @@ def test_a_serving_engine_actor_keeps_a_request_in_flight_across_a_refit(ray_clu
     try:
         trainer = join_one_trainer([engine], new_state)
         tokens = MAX_MODEL_LEN - 64
-        in_flight = engine.actor.generate.remote([[3, 1, 4, 1, 5]], tokens, {"ignore_eos": True})
+        in_flight = engine.remote("generate", prompts=[[3, 1, 4, 1, 5]], max_tokens=tokens,
+                                  sampling={"ignore_eos": True})
         (warm,) = engine.generate([[2, 7]], 4)  # served concurrently with the long request
         assert warm.weight_versions == [("0", 0, 4)]
         trainer.refit(1, mode="keep")
@@ -104,9 +105,9 @@ def test_a_serving_engine_actor_killed_mid_refit_fails_the_trainer_and_leaves_no
     """`ray.kill` of the engine actor mid-refit: the trainer raises within the timeout + a
     margin naming the engine, no process of the actor's tree survives, and a replacement
     engine joins a rebuilt group and takes the next refit."""
+    from common.clients.ray_engine import RayEngine
     from common.engine_config import EngineConfig
     from common.errors import RefitError
-    from common.ray_engine import RayEngine
 
     model = make_model("qwen3", dtype=torch.bfloat16)
     model.save_pretrained(tmp_path / "v0")

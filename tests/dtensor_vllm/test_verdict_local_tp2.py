@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine import LocalEngine
+from common.clients.local_engine import LocalEngine
 from common.engine_config import EngineConfig
 from tests.dtensor_vllm.helpers import LLM_KWARGS, greedy, join_one_trainer
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.group import free_port
+from common.wire.group import free_port
 from recipes.rank_runner import RankPool
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.ray_cluster import RayLayout, RayPlacement, TrainerActor, start_trainers
+from common.launch.ray_cluster import RayLayout, RayPlacement, TrainerActor, start_trainers
 from tests.dtensor.models import make_model
 
 pytestmark = pytest.mark.slow
@@ -79,9 +79,9 @@ def join_and_refit(ray, trainers, fleet, engine) -> str:
 
 
 def test_trainers_and_an_engine_on_different_nodes_refit(cluster, tmp_path) -> None:
-    from common.engine_client import EngineFleet
+    from common.clients.engine_client import EngineFleet
+    from common.clients.ray_engine import RayEngine
     from common.engine_config import EngineConfig
-    from common.ray_engine import RayEngine
     from recipes.engines import tiny_llm_kwargs
 
     make_model("qwen3", dtype=torch.bfloat16).save_pretrained(tmp_path / "v0")

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.ray_cluster import RayLayout, RayPlacement, TrainerActor, start_trainers
+from common.launch.ray_cluster import RayLayout, RayPlacement, TrainerActor, start_trainers
 from tests.dtensor.models import make_model
 from tests.dtensor_vllm.helpers import LLM_KWARGS, PROMPTS, KillingSource, wait_gone
 
@@ -48,9 +48,9 @@ class FaultyTrainer(TrainerActor):
 def rig(tmp_path_factory):
     """A local cluster, the trainers' placement and one serving engine actor (shared)."""
     ray = pytest.importorskip("ray")
-    from common.engine_client import EngineFleet
+    from common.clients.engine_client import EngineFleet
+    from common.clients.ray_engine import RayEngine
     from common.engine_config import EngineConfig
-    from common.ray_engine import RayEngine
 
     path = tmp_path_factory.mktemp("ckpt") / "v0"
     make_model("qwen3", dtype=torch.bfloat16).save_pretrained(path)
@@ -88,7 +88,7 @@ def joined_trainers(rig, victim: int = -1, die_in: int = -1, after: int = 0):
 def test_a_trainer_dead_between_refits_leaves_the_engine_serving(rig) -> None:
     import ray
 
-    from common.ray_cluster import TrainerFailure
+    from common.launch.ray_cluster import TrainerFailure
 
     (engine,) = rig[2].engines
     trainers = joined_trainers(rig)
@@ -107,8 +107,8 @@ def test_a_trainer_dead_between_refits_leaves_the_engine_serving(rig) -> None:
 
 def test_a_trainer_dead_mid_refit_leaves_the_engine_refusing_then_new_trainers_refit(
         rig) -> None:
-    from common.engine_client import EngineError
-    from common.ray_cluster import TrainerFailure
+    from common.clients.engine_client import EngineError
+    from common.launch.ray_cluster import TrainerFailure
 
     (engine,) = rig[2].engines
     last = int(engine.weight_version())

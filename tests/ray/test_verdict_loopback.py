@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.ray_cluster import RayLayout, RayPlacement, start_trainers
+from common.launch.ray_cluster import RayLayout, RayPlacement, start_trainers
 from tests.dtensor.models import make_model
 from tests.ray.test_multinode import TIMEOUT_S, CheckpointTrainer, join_and_refit
 
@@ -91,9 +91,9 @@ def _pids_titled(prefix: str) -> list[int]:
 
 def test_verdict_a_loopback_ray_cluster_keeps_every_refit_socket_on_loopback(loopback_ray,
                                                                             tmp_path):
-    from common.engine_client import EngineFleet
+    from common.clients.engine_client import EngineFleet
+    from common.clients.ray_engine import RayEngine
     from common.engine_config import EngineConfig
-    from common.ray_engine import RayEngine
     from recipes.engines import tiny_llm_kwargs
 
     assert {n["NodeManagerAddress"] for n in loopback_ray.nodes()} == {"127.0.0.1"}
@@ -107,7 +107,7 @@ def test_verdict_a_loopback_ray_cluster_keeps_every_refit_socket_on_loopback(loo
         engine = RayEngine.start(config, name="engine@loopback", **placement.engine_options(0))
         fleet = EngineFleet([engine])
         join_and_refit(loopback_ray, trainers, fleet, engine)
-        pids = [pid for _, pid in trainers.where] + _pids_titled("ray::LLMHost")
+        pids = [pid for _, pid in trainers.where] + _pids_titled("ray::HostActor")
         assert len(pids) == 3, pids
         bound = {pid: bound_addresses(pid) for pid in pids}
         assert all(bound.values()), bound  # each holds the refit group's sockets now

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from common.broadcast import RefitSender, RefitStats
+from common.clients.engine_client import Completion, EngineFleet, PauseMode
+from common.clients.http_engine import HttpEngine
+from common.clients.serve import ServeConfig, VllmServer
 from common.config import RefitConfig
-from common.engine_client import Completion, EngineFleet, PauseMode
-from common.group import RefitGroup, free_port
-from common.http_engine import HttpEngine
 from common.plan import RefitPlan
-from common.serve import ServeConfig, VllmServer
 from common.source import DictWeightSource
+from common.wire.group import RefitGroup, free_port
 
 MAX_MODEL_LEN = 8192  # long requests (thousands of tokens) stream for seconds
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 20, 30, 40]]

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import pytest
 import requests
 
-from common.engine_client import Completion, EngineError, PauseMode
-from common.http_engine import TokenStream
+from common.clients.engine_client import Completion, EngineError, PauseMode
+from common.clients.http_engine import TokenStream
 from tests.serve.conftest import LONG_PROMPT, PROMPTS, SHORT, TIMEOUT_S, Rig, timed
 
 pytestmark = pytest.mark.slow

@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from common.broadcast import RefitSender
+from common.clients.engine_client import EngineError, EngineFleet
+from common.clients.serve import VllmServer
 from common.config import RefitConfig
-from common.engine_client import EngineError, EngineFleet
-from common.group import RefitGroup, free_port
 from common.plan import RefitPlan
-from common.serve import VllmServer
 from common.source import DictWeightSource
+from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
 from tests.dtensor_vllm.helpers import KillingSource
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config
@@ -97,7 +97,7 @@ def test_a_plan_the_engine_cannot_take_fails_the_join_everywhere(server, checkpo
 def _refit_into_dying_server(rank: int, world: int, port: int, url: str, pgid: int,
                              state: dict) -> dict:
     """Refit v1 into the server at `url`; rank 0's source kills it mid-refit."""
-    from common.http_engine import HttpEngine
+    from common.clients.http_engine import HttpEngine
 
     fleet = EngineFleet([HttpEngine(url, timeout_s=TIMEOUT_S)]) if rank == 0 else None
     names = [fleet.rank_names(TRAINERS) if fleet else None]

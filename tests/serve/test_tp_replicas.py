@@ -11,12 +11,12 @@ from dataclasses import replace
 import pytest
 
 from common.broadcast import RefitSender
+from common.clients.engine_client import EngineFleet
+from common.clients.serve import VllmServer
 from common.config import RefitConfig
-from common.engine_client import EngineFleet
-from common.group import RefitGroup, free_port
 from common.plan import RefitPlan
-from common.serve import VllmServer
 from common.source import DictWeightSource
+from common.wire.group import RefitGroup, free_port
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config, timed
 
 pytestmark = pytest.mark.slow

@@ -18,13 +18,13 @@ import time
 import pytest
 
 from common.broadcast import RefitSender
+from common.clients.engine_client import EngineFleet
+from common.clients.http_engine import HttpEngine
+from common.clients.serve import VllmServer
 from common.config import RefitConfig
-from common.engine_client import EngineFleet
-from common.group import RefitGroup, free_port
-from common.http_engine import HttpEngine
 from common.plan import RefitPlan
-from common.serve import VllmServer
 from common.source import DictWeightSource
+from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config
 from tests.serve.test_serve_failures import replacement_trainer

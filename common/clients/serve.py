@@ -2,8 +2,8 @@
 
 `VllmServer(ServeConfig(model=DIR))` runs vLLM's OpenAI API server in its own process group
 (the API server, its engine core and workers), its output in a log file, and drives it with
-`client()` (a `common.http_engine.HttpEngine`). `stop()` / `kill()` take down the whole group,
-and `group_pids()` tells what is still alive in it. Never imports vllm: it runs where the
+`client()` (a `common.clients.http_engine.HttpEngine`). `stop()` / `kill()` take down the whole
+group, and `group_pids()` tells what is still alive in it. Never imports vllm: it runs where the
 trainers run; the server imports refit's `common` from this checkout (cwd and PYTHONPATH).
 """
 
@@ -22,13 +22,13 @@ from pathlib import Path
 
 import requests
 
-from common.engine import _LAUNCHER_VARS
+from common.clients.http_engine import HttpEngine
+from common.clients.local_engine import _LAUNCHER_VARS
 from common.engine_config import cpu_bind_mask
 from common.errors import RefitError
-from common.group import free_port
-from common.http_engine import HttpEngine
+from common.wire.group import free_port
 
-ROOT = Path(__file__).resolve().parent.parent  # the checkout the server's workers import from
+ROOT = Path(__file__).resolve().parents[2]  # the checkout the server's workers import from
 
 
 class ServerError(RefitError):

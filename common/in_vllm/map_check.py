@@ -28,11 +28,11 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 )
 from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
-from common import checksum
-from common.load_map import byte_span
+from common.in_vllm.apply import PROCESS, DirectLoad, model_format
+from common.in_vllm.load_map import byte_span
 from common.packing import byte_view, unpack
 from common.plan import RefitPlan
-from common.vllm_apply import PROCESS, DirectLoad, model_format
+from common.wire import checksum
 
 Fingerprint = dict[str, tuple[tuple[int, ...], torch.dtype, int]]  # name: shape, dtype, checksum
 

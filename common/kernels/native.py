@@ -8,7 +8,7 @@ torch) by torch's JIT loader (a C++ compiler and ninja) under TORCH_EXTENSIONS_D
 process imports the built library directly, whichever ninja is on PATH (two ninja versions
 cannot read each other's build logs, so letting torch's loader decide meant a full rebuild
 inside `RefitSender.setup` while the peers wait). `make setup` builds it (`python -m
-common.native`); when it cannot be built, the Python path is used and one warning says why.
+common.kernels.native`); when it cannot be built, the Python path is used and one warning says why.
 `REFIT_NATIVE=0` turns it off.
 """
 
@@ -23,11 +23,10 @@ import sys
 import time
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
-
-from common.plan import TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +100,10 @@ def load() -> ModuleType | None:
 
 
 class BucketScan:
-    """One bucket's expected names, dtypes and shapes, laid out for the native `take`."""
+    """One bucket's expected names, dtypes and shapes (`common.plan.TensorSpec`s), laid out
+    for the native `take`."""
 
-    def __init__(self, module: ModuleType, specs: Sequence[TensorSpec],
+    def __init__(self, module: ModuleType, specs: Sequence[Any],
                  device: torch.device) -> None:
         self.module = module
         self.names = [s.name for s in specs]

@@ -1,7 +1,7 @@
 """Host of one vLLM `LLM` with the `refit` backend, inside the process that runs it.
 
-`LLMHost` is what `common.engine.LocalEngine` runs in its child process and what
-`common.ray_engine.RayEngine` runs as a Ray actor: vLLM's own weight-transfer methods, pause
+`LLMHost` is what `common.clients.local_engine.LocalEngine` runs in its child process and what
+`common.clients.ray_engine.RayEngine` runs as a Ray actor: vLLM's own weight-transfer methods, pause
 and resume (`sleep(level=0, mode)` / `wake_up(["scheduling"])`, the offline `LLM`'s pause),
 weight versions, generation and a read-back of params for tests. It imports vllm inside its
 methods only: the process that builds an `LLMHost` is an engine process.
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from common.addresses import bind_process_to
 from common.engine_config import EngineConfig, cpu_bind_mask
+from common.wire.addresses import bind_process_to
 
 _PAUSED = "engine is paused for a weight update: resume it before generating"
 
@@ -136,7 +136,8 @@ class LLMHost:
 
 
 def completion_dict(seq: Any) -> dict[str, Any]:
-    """A vLLM `CompletionOutput` as plain data (`common.engine_client.Completion`'s fields)."""
+    """A vLLM `CompletionOutput` as plain data (the fields of
+    `common.clients.engine_client.Completion`)."""
     logprobs = [step[t].logprob for t, step in zip(seq.token_ids, seq.logprobs or [],
                                                      strict=False)]
     spans = [(s.version, s.start, s.end) for s in (seq.weight_versions or [])]

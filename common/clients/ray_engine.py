@@ -1,8 +1,9 @@
 """`RayEngine`: a vLLM engine hosted in a Ray actor, driven through the `EngineClient` interface.
 
-The actor is `common.vllm_host.LLMHost` (an `LLM` with the refit backend) or, for an engine
-that keeps serving, `common.vllm_async_host.AsyncLLMHost` (an `AsyncLLM`), made remote here:
-this module imports ray and torch, never vllm, so a trainer (or a Ray driver) can use it.
+The actor builds `common.in_vllm.llm_host.LLMHost` (an `LLM` with the refit backend) or, for an
+engine that keeps serving, `common.in_vllm.async_host.AsyncLLMHost` (an `AsyncLLM`), named by
+their module paths: this module imports ray and torch, never vllm nor the `in_vllm` room, so a
+trainer (or a Ray driver) can use it.
 `max_restarts=0`: a restarted actor would serve its starting checkpoint, unversioned. Killing
 the actor (`ray.kill`) kills an `LLM`'s in-process worker with it, and an `AsyncLLM`'s engine
 core and workers (its children) exit with it (checked by the tests).
@@ -15,12 +16,34 @@ from typing import Any
 
 import ray
 
-from common.engine import HostedEngine
+from common.clients.local_engine import HostedEngine, by_name
 from common.engine_config import EngineConfig
+
+LLM_HOST = "common.in_vllm.llm_host:LLMHost"
+ASYNC_LLM_HOST = "common.in_vllm.async_host:AsyncLLMHost"
+
+
+class HostActor:
+    """The actor's body: the engine host class `host` names, built inside the actor (the
+    driver never imports it); its methods are called by name."""
+
+    def __init__(self, host: str, config: EngineConfig) -> None:
+        self.host = by_name(host)(config)
+
+    def call(self, method: str, kwargs: dict[str, Any]) -> Any:
+        return getattr(self.host, method)(**kwargs)
+
+
+class AsyncHostActor(HostActor):
+    """`HostActor` for a host whose methods are coroutines: an async actor, so generate calls
+    run concurrently with pause, refit and resume."""
+
+    async def call(self, method: str, kwargs: dict[str, Any]) -> Any:
+        return await getattr(self.host, method)(**kwargs)
 
 
 class RayEngine(HostedEngine):
-    """An engine in the Ray actor `actor` (an `LLMHost`); see `RayEngine.start`."""
+    """An engine in the Ray actor `actor` (a `HostActor`); see `RayEngine.start`."""
 
     def __init__(self, actor: Any, name: str, timeout_s: float = 120.0,
                  serving: bool = False) -> None:
@@ -34,19 +57,15 @@ class RayEngine(HostedEngine):
         """Start the actor and wait until its engine is built (`config.start_timeout_s`).
 
         serving=False: an offline `LLM` (`LLMHost`; one call at a time). serving=True: an
-        `AsyncLLM` (`AsyncLLMHost`, an async actor), whose generate calls run concurrently
+        `AsyncLLM` (`AsyncLLMHost`, in an async actor), whose generate calls run concurrently
         with pause / refit / resume, so requests in flight meet the pause mode. `timeout_s`
         bounds each call (default `config.call_timeout_s`); `options` go to `.options()`
         (placement group, resources, ...).
         """
-        if serving:
-            from common.vllm_async_host import AsyncLLMHost as host_cls
-        else:
-            from common.vllm_host import LLMHost as host_cls
-
+        body, host = (AsyncHostActor, ASYNC_LLM_HOST) if serving else (HostActor, LLM_HOST)
         name = name or f"ray:{config.model.rstrip('/').rsplit('/', 1)[-1]}"
-        actor = ray.remote(num_cpus=num_cpus, max_restarts=0)(host_cls).options(
-            **options).remote(config)
+        actor = ray.remote(num_cpus=num_cpus, max_restarts=0)(body).options(
+            **options).remote(host, config)
         engine = cls(actor, name, config.call_timeout_s if timeout_s is None else timeout_s,
                      serving)
         engine._call("start" if serving else "num_workers", config.start_timeout_s)
@@ -55,9 +74,14 @@ class RayEngine(HostedEngine):
     def _call(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return ray.get(getattr(self.actor, method).remote(**kwargs), timeout=timeout_s)
+            return ray.get(self.remote(method, **kwargs), timeout=timeout_s)
         except ray.exceptions.RayTaskError as e:  # the host's own error, not Ray's traceback
             raise e.cause from e
+
+    def remote(self, method: str, **kwargs: Any) -> Any:
+        """Start `method` on the host; its Ray object ref (e.g. a generate call to collect
+        later, while this engine is paused, refit and resumed)."""
+        return self.actor.call.remote(method, kwargs)
 
     def kill(self) -> None:
         ray.kill(self.actor, no_restart=True)

@@ -30,7 +30,7 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, materialize_layer
 from vllm.model_executor.model_loader.reload.utils import get_layer_tensors, get_tensor_load_numel
 
-from common.load_map import BucketCopy, CopyRecorder, Dest, Fill, byte_runs, tiles_exactly
+from common.in_vllm.load_map import BucketCopy, CopyRecorder, Dest, Fill, byte_runs, tiles_exactly
 from common.plan import RefitPlan
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,9 @@
 """Training-side control of vLLM engines that run the `refit` backend; never imports vllm.
 
-One interface (`EngineClient`) over three hosts: a `vllm serve` server (`common.http_engine`),
-an engine in a child process of the trainer (`common.engine`), an engine in a Ray actor
-(`common.ray_engine`). A refit of one engine, from training rank 0:
+One interface (`EngineClient`) over three hosts: a `vllm serve` server
+(`common.clients.http_engine`), an engine in a child process of the trainer
+(`common.clients.local_engine`), an engine in a Ray actor (`common.clients.ray_engine`). A
+refit of one engine, from training rank 0:
 
     engine.pause("keep")                  # vLLM does not guard an update: always pause first
     refitting = engine.refit_async(step)  # the engine receives while the trainers broadcast
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from common.errors import NOTHING_LOADED, RefitError
 
 if TYPE_CHECKING:
-    from common.transport import Transport
+    from common.wire.transport import Transport
 
 log = logging.getLogger(__name__)
 PauseMode = Literal["abort", "wait", "keep"]
@@ -48,7 +49,7 @@ class EngineError(RefitError):
 
 @dataclass(frozen=True)
 class JoinInfo:
-    """The refit backend's init info for one engine (`common.vllm_backend.RefitInitInfo`)."""
+    """The refit backend's init info for one engine (`common.in_vllm.backend.RefitInitInfo`)."""
 
     host: str
     port: int

@@ -8,7 +8,7 @@ other rank has acknowledged it (at the latest when it leaves), and at most `MAX_
 its segments wait for that (its `wait` holds it back), so memory stays bounded. While
 waiting, a rank also watches the processes it waits for: a dead peer fails the wait within
 `ABORT_POLL_S`, as does the abort record or a store that stops answering
-(`common.transport`).
+(`common.wire.transport`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.transport import Abandoned, Transport
+from common.wire.transport import Abandoned, Transport
 
 MAX_IN_FLIGHT = 4  # a source's segments not yet read by every other rank
 LINGER_S = 10.0  # how long `destroy` waits for the peers to read this rank's last segments

@@ -3,8 +3,8 @@
 The server runs with VLLM_SERVER_DEV_MODE=1 (the RL routes: pause, weight transfer, weight
 version), `--tokens-only` (`POST /inference/v1/generate`: the one route that reports which weight
 version produced which output token) and `--weight-transfer-config '{"backend": "refit"}'`;
-`common.serve.VllmServer` starts one so. Only the join info and the version travel over HTTP;
-the weights go over the refit group. Training-side code: never imports vllm.
+`common.clients.serve.VllmServer` starts one so. Only the join info and the version travel over
+HTTP; the weights go over the refit group. Training-side code: never imports vllm.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import requests
 
-from common.engine_client import Completion, EngineClient, EngineError, PauseMode
+from common.clients.engine_client import Completion, EngineClient, EngineError, PauseMode
 
 _BODY_CHARS = 2000  # of an error response kept in the message: vLLM can send whole tracebacks
 _MARGIN_S = 30.0  # beyond a join's own timeout: the route answers after the group's rendezvous

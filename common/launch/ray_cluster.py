@@ -27,12 +27,12 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from common.addresses import bind_process_to, listening_fd
 from common.broadcast import RefitSender
 from common.errors import RefitError
-from common.group import RefitGroup, free_port
 from common.plan import RefitPlan
 from common.source import WeightSource
+from common.wire.addresses import bind_process_to, listening_fd
+from common.wire.group import RefitGroup, free_port
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _DIST_TIMEOUT_S = 300.0  # the trainers' own torch.distributed rendezvous (torch's default)

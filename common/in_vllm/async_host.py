@@ -1,7 +1,7 @@
 """Host of one vLLM `AsyncLLM` with the `refit` backend: an engine that keeps serving.
 
 `AsyncLLMHost` has `LLMHost`'s methods as coroutines, so as an async Ray actor
-(`common.ray_engine.RayEngine.start(config, serving=True)`) its generate calls run
+(`common.clients.ray_engine.RayEngine.start(config, serving=True)`) its generate calls run
 concurrently with pause, refit and resume: requests in flight meet the pause mode the client
 picked (abort, wait, keep). The engine core and its workers run in child processes of the
 host's process (vLLM's multiprocess engine). It imports vllm inside its methods only.
@@ -14,7 +14,7 @@ import uuid
 from typing import Any
 
 from common.engine_config import EngineConfig
-from common.vllm_host import completion_dict, configure_process
+from common.in_vllm.llm_host import completion_dict, configure_process
 
 
 class AsyncLLMHost:

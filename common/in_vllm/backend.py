@@ -38,22 +38,22 @@ from vllm.model_executor.model_loader.reload.layerwise import (
     initialize_layerwise_reload,
 )
 
-from common import native
 from common.broadcast import RefitReceiver
 from common.checkpoint import checkpoint_tensors, plan_problems
-from common.group import RefitGroup
-from common.load_map import CopyRecorder
-from common.plan import RefitPlan
-from common.stats import RefitStats
-from common.vllm_apply import DirectLoad, learn
-from common.vllm_map_check import (
+from common.in_vllm.apply import DirectLoad, learn
+from common.in_vllm.load_map import CopyRecorder
+from common.in_vllm.map_check import (
     Kept,
     changed_params,
     check_map,
     readable_params,
     reload_kept,
 )
-from common.vllm_reload_fixes import ReloadFixes
+from common.in_vllm.reload_fixes import ReloadFixes
+from common.kernels import native
+from common.plan import RefitPlan
+from common.stats import RefitStats
+from common.wire.group import RefitGroup
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 It carries the bucket index, the weight version and the plan digest (so a desynchronised rank
 is caught, never silently loaded), an OK / ABORT status with the sender's reason, so an abort
 reaches every rank inside the same collective that would have carried the bucket, and the
-payload's checksum where the sender computed one (`common.checksum`).
+payload's checksum where the sender computed one (`common.wire.checksum`).
 """
 
 from __future__ import annotations

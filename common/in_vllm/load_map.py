@@ -24,8 +24,8 @@ from torch.nn.modules.module import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import native
-from common.pack_kernel import BufferKernel
+from common.kernels import native
+from common.kernels.pack_kernel import BufferKernel
 
 MIN_RUN_BYTES = 64  # an element-wise strided copy is no memcpy: leave it to the loaders
 

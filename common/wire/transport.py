@@ -8,8 +8,8 @@ control plane is shared: ranks 0..T-1 train, the others infer; rank 0 hosts a TC
 holds the group's abort record, which the first rank to fail writes and every waiting rank
 reads every `ABORT_POLL_S`, so a failure is felt everywhere in well under a second whatever
 the timeout; a store that stops answering (rank 0 died) counts as an abort. After a failure
-the transport is dead: destroy it and build a new one. Transports: `common.group.RefitGroup`
-(gloo / NCCL), `common.shm_transport.ShmTransport` (same-host shared memory, CPU).
+the transport is dead: destroy it and build a new one. Transports: `common.wire.group.RefitGroup`
+(gloo / NCCL), `common.wire.shm_transport.ShmTransport` (same-host shared memory, CPU).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common.addresses import listening_fd
 from common.errors import RefitAborted, RefitCommError, RefitError
+from common.wire.addresses import listening_fd
 
 ABORT_POLL_S = 0.25  # how often a waiting rank looks for another rank's abort record
 FIRST_SLEEP_S = 20e-6  # the first sleep between polls of a collective (then doubling)
@@ -68,7 +68,7 @@ class Transport(ABC):
         # Who holds which ranks (e.g. {2: "engine http://host:8000", ..}), named in failures.
         self.rank_names = dict(rank_names or {})
         # Rank 0 (a trainer) publishes each refit's verdict when a caller commits it to the
-        # engines (`common.engine_client.EngineFleet.refit`); the other trainers wait for it.
+        # engines (e.g. `EngineFleet.refit`); the other trainers wait for it.
         self.verdict_by_caller = False
         self.refits = 0  # end-of-refit status exchanges so far: the key of each verdict
         self._published: int | None = None  # rank 0: the last verdict it published

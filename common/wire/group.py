@@ -4,7 +4,7 @@ Built straight on a TCPStore and a backend object, so it can be created inside a
 already has a default group (torchrun) or vLLM's own groups, and never touches either. Every
 collective has a timeout, and a failure raises `RefitCommError` naming this rank, its role and
 what it was doing; the abort record, the waits' deadline and the messages are the transport's
-(`common.transport`). After a failure the group is dead: `destroy()` it and create a new one
+(`common.wire.transport`). After a failure the group is dead: `destroy()` it and create a new one
 (a fresh `name`, or the same name once every old member has left).
 """
 
@@ -24,8 +24,8 @@ import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
-from common.addresses import local_address_toward
-from common.transport import Transport, padded
+from common.wire.addresses import local_address_toward
+from common.wire.transport import Transport, padded
 
 log = logging.getLogger(__name__)
 

@@ -1,15 +1,17 @@
 """`LocalEngine`: a vLLM `LLM` with the refit backend in a child process of the trainer.
 
-The child (`common.vllm_host.serve`) starts with a clean environment (no torchrun RANK /
-MASTER_* leaking into vLLM) and runs `LLMHost`; this side is an `EngineClient` whose calls
-reach the host's methods by name, one at a time. Weights travel only over the refit group.
-It is the fast engine of tests and demos (in-process worker: starts in seconds); `vllm serve`
-servers are driven by `common.http_engine.HttpEngine` through the same interface.
+The child (`common.in_vllm.llm_host.serve`, launched by name) starts with a clean environment
+(no torchrun RANK / MASTER_* leaking into vLLM) and runs `LLMHost`; this side is an
+`EngineClient` whose calls reach the host's methods by name, one at a time. Weights travel
+only over the refit group. It is the fast engine of tests and demos (in-process worker: starts
+in seconds); `vllm serve` servers are driven by `common.clients.http_engine.HttpEngine`
+through the same interface.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import multiprocessing as mp
 import os
 import threading
@@ -18,8 +20,10 @@ import weakref
 from abc import abstractmethod
 from typing import Any
 
-from common.engine_client import Completion, EngineClient, EngineError, PauseMode
+from common.clients.engine_client import Completion, EngineClient, EngineError, PauseMode
 from common.engine_config import EngineConfig
+
+HOST_SERVE = "common.in_vllm.llm_host:serve"  # the child's entry point, imported there only
 
 # Variables of the training launcher that must not reach vLLM (it would join the wrong group).
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -27,9 +31,21 @@ _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
                   "GROUP_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID")
 
 
+def by_name(dotted: str) -> Any:
+    """The object `module:attribute` names, imported now: engine hosts are launched by name, so
+    the training side never imports the code that runs inside vLLM."""
+    module, _, attribute = dotted.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def run_by_name(dotted: str, *args: Any) -> None:
+    """A child process's target: call the function `dotted` names with `args`."""
+    by_name(dotted)(*args)
+
+
 class HostedEngine(EngineClient):
     """An `EngineClient` whose engine is an `LLMHost` reached by method name (`_call`): in a
-    child process (`LocalEngine`) or a Ray actor (`common.ray_engine.RayEngine`)."""
+    child process (`LocalEngine`) or a Ray actor (`common.clients.ray_engine.RayEngine`)."""
 
     @abstractmethod
     def _call(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
@@ -72,7 +88,7 @@ class HostedEngine(EngineClient):
         return self._call("read", names=names)
 
     def apply_reports(self) -> list[dict]:
-        """Per worker: how it applies refits (`common.vllm_backend`'s apply report)."""
+        """Per worker: how it applies refits (`common.in_vllm.backend`'s apply report)."""
         return self._call("apply_reports")
 
     def backend_origin(self) -> list[dict[str, str]]:
@@ -93,12 +109,11 @@ class LocalEngine(HostedEngine):
         self._lock = threading.Lock()
         env = {k: os.environ.pop(k) for k in _LAUNCHER_VARS if k in os.environ}
         try:
-            from common.vllm_host import serve  # noqa: PLC0415 - child-side entry point
-
             # Not daemonic: the engine may start vLLM's worker processes (TP > 1). The
             # finalizer stops it when this client is collected or the trainer exits, before
             # multiprocessing's own exit hook would wait for it.
-            self._proc = ctx.Process(target=serve, args=(child, config), daemon=False)
+            self._proc = ctx.Process(target=run_by_name, args=(HOST_SERVE, child, config),
+                                     daemon=False)
             self._proc.start()
         finally:
             os.environ.update(env)

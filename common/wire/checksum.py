@@ -2,7 +2,7 @@
 every receiver on the bytes it received, before anything is loaded.
 
 On CPU groups CRC-32 (zlib; it releases the GIL); on CUDA groups a 64-bit position-sensitive
-hash computed on the device (`common.hash_kernel`), which the sender stamps into the header
+hash computed on the device (`common.kernels.hash_kernel`), which the sender stamps into the header
 without waiting for the GPU. Both cover every byte and change when a byte flips or two bytes
 swap. A receiver whose bytes disagree stops loading and the refit fails on every rank at the
 status exchange, naming the bucket, its tensors and the receiver.
@@ -14,8 +14,8 @@ import zlib
 
 import torch
 
-from common import hash_kernel
-from common.bucket_header import CHECKSUM_OFFSET
+from common.kernels import hash_kernel
+from common.wire.bucket_header import CHECKSUM_OFFSET
 
 
 def supported(device: torch.device) -> bool:
