@@ -31,6 +31,7 @@ from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, mate
 from vllm.model_executor.model_loader.reload.utils import get_layer_tensors, get_tensor_load_numel
 
 from common.in_vllm.load_map import BucketCopy, CopyRecorder, Dest, Fill, byte_runs, tiles_exactly
+from common.needs import ByteRanges, Needs
 from common.plan import RefitPlan
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,22 @@ class DirectLoad:
                 live[dest] = (t.shape, t.stride(), t.dtype)
         return live
 
+    def needs(self, plan: RefitPlan) -> Needs:
+        """The bytes of each bucket this worker reads (`common.needs`): its runs' sources and
+        the whole tensors its loaders take (`load_weights`)."""
+        out = {}
+        for index, runs in self.runs.items():
+            bucket = plan.buckets[index]
+            whole = [(bucket.offsets[p] - bucket.offsets[0],
+                      plan.specs[bucket.spec_indices[p]].nbytes) for p in runs.fallback]
+            starts, sizes = (np.array(c, dtype=np.int64) for c in zip(*whole, strict=True)) \
+                if whole else (np.zeros(0, dtype=np.int64),) * 2
+            ranges = ByteRanges.of(np.concatenate([runs.copy.src, starts]),
+                                   np.concatenate([runs.copy.nbytes, sizes]))
+            if ranges.nbytes:
+                out[index] = ranges
+        return Needs(out)
+
     def stale(self) -> str | None:
         """Why the map no longer fits the serving tensors (then a refit relearns it)."""
         for dest, shape in self.shapes.items():
@@ -197,7 +214,10 @@ def learn(model: torch.nn.Module, plan: RefitPlan, recorder: CopyRecorder) -> Di
     runs = _bucket_runs(plan, bad_tensors, ran, {d: i for i, d in enumerate(dests)}, kinds,
                         params)
     report = _report(plan, bad_tensors, ran)
-    return DirectLoad(model, dests, kinds, runs, report)
+    direct = DirectLoad(model, dests, kinds, runs, report)
+    needs = direct.needs(plan)
+    report.update(needs_bytes=needs.nbytes(), needs_digest=needs.digest[:16])
+    return direct
 
 
 RunList = list[tuple[Fill, tuple[np.ndarray, np.ndarray, int]]]

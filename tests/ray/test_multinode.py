@@ -4,13 +4,23 @@ at the machine's own address with the trainers, a second node on 127.0.0.2 with 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from common.launch.ray_cluster import RayLayout, RayPlacement, TrainerActor, start_trainers
+from common.launch.ray_cluster import (
+    RayLayout,
+    RayPlacement,
+    TrainerActor,
+    TrainerGroup,
+    start_trainers,
+)
 from tests.dtensor.models import make_model
 
 pytestmark = pytest.mark.slow
@@ -59,48 +69,43 @@ def _node_ips(ray, group) -> set[str]:
     return {ips[node] for node in placement_group_table(group)["bundles_to_node_id"].values()}
 
 
-def join_and_refit(ray, trainers, fleet, engine) -> str:
-    """The trainers (rank 0 hosting the store) and `engine` join a refit group, v1 lands and
-    changes the engine's greedy tokens; returns the store's host."""
-    from common.config import RefitConfig
-
-    host, port = ray.get(trainers.actors[0].address.remote(), timeout=TIMEOUT_S)
-    joining = fleet.join_async(host, port, 2, timeout_s=TIMEOUT_S)
-    trainers.call("join_refit", host, port, fleet.world_size(2), fleet.rank_names(2),
-                  RefitConfig(bucket_bytes=64 << 10), TIMEOUT_S)
-    joining.result(TIMEOUT_S)
-    before = engine.generate([[1, 2, 3]], 6)
-    stats = trainers.refit(fleet, 1)
-    assert [s["version"] for s in stats] == [1, 1] and sorted(stats[0]["receivers"]) == [2]
-    (after,) = engine.generate([[1, 2, 3]], 6)
-    assert engine.weight_version() == "1" and after.weight_versions == [("1", 0, 6)]
-    assert after.tokens != before[0].tokens
-    return host
+@dataclass
+class RayJob:
+    trainers: TrainerGroup
+    engine: Any
+    host: str  # where trainer rank 0 hosts the refit group's store
 
 
-def test_trainers_and_an_engine_on_different_nodes_refit(cluster, tmp_path) -> None:
+@contextlib.contextmanager
+def refit_job(ray, placement: RayPlacement, checkpoint: Path, engine_name: str
+              ) -> Iterator[RayJob]:
+    """Two trainer actors (weights: `checkpoint` x1.5) and an engine actor on `placement` join
+    a refit group (trainer rank 0 hosts the store), and v1 lands and changes the engine's greedy
+    tokens; everything is stopped and the placement removed on exit."""
     from common.clients.engine_client import EngineFleet
     from common.clients.ray_engine import RayEngine
+    from common.config import RefitConfig
     from common.engine_config import EngineConfig
     from recipes.engines import tiny_llm_kwargs
 
-    make_model("qwen3", dtype=torch.bfloat16).save_pretrained(tmp_path / "v0")
-    layout = RayLayout(trainers=2, trainer_resources={"trainer_node": 1},
-                       engine_resources={"engine_node": 1}, strategy="SPREAD",
-                       timeout_s=TIMEOUT_S)
-    placement = RayPlacement(layout)
     trainers = fleet = None
     try:
-        trainer_ips, engine_ips = (_node_ips(cluster, placement.trainer_group),
-                                   _node_ips(cluster, placement.engine_groups[0]))
-        assert engine_ips == {"127.0.0.2"} and "127.0.0.2" not in trainer_ips, (
-            trainer_ips, engine_ips)
-        trainers = start_trainers(CheckpointTrainer, placement, str(tmp_path / "v0"), 1.5)
-        config = EngineConfig(model=str(tmp_path / "v0"), llm_kwargs=tiny_llm_kwargs(64))
-        engine = RayEngine.start(config, name="engine@127.0.0.2", **placement.engine_options(0))
+        trainers = start_trainers(CheckpointTrainer, placement, str(checkpoint), 1.5)
+        config = EngineConfig(model=str(checkpoint), llm_kwargs=tiny_llm_kwargs(64))
+        engine = RayEngine.start(config, name=engine_name, **placement.engine_options(0))
         fleet = EngineFleet([engine])
-        host = join_and_refit(cluster, trainers, fleet, engine)
-        assert host in trainer_ips  # the refit group's store lives on the trainers' node
+        host, port = ray.get(trainers.actors[0].address.remote(), timeout=TIMEOUT_S)
+        joining = fleet.join_async(host, port, 2, timeout_s=TIMEOUT_S)
+        trainers.call("join_refit", host, port, fleet.world_size(2), fleet.rank_names(2),
+                      RefitConfig(bucket_bytes=64 << 10), TIMEOUT_S)
+        joining.result(TIMEOUT_S)
+        before = engine.generate([[1, 2, 3]], 6)
+        stats = trainers.refit(fleet, 1)
+        assert [s["version"] for s in stats] == [1, 1] and sorted(stats[0]["receivers"]) == [2]
+        (after,) = engine.generate([[1, 2, 3]], 6)
+        assert engine.weight_version() == "1" and after.weight_versions == [("1", 0, 6)]
+        assert after.tokens != before[0].tokens
+        yield RayJob(trainers, engine, host)
     finally:
         if fleet is not None:
             fleet.close()
@@ -108,3 +113,17 @@ def test_trainers_and_an_engine_on_different_nodes_refit(cluster, tmp_path) -> N
             trainers.call("shutdown")
             trainers.kill()
         placement.remove()
+
+
+def test_trainers_and_an_engine_on_different_nodes_refit(cluster, tmp_path) -> None:
+    make_model("qwen3", dtype=torch.bfloat16).save_pretrained(tmp_path / "v0")
+    layout = RayLayout(trainers=2, trainer_resources={"trainer_node": 1},
+                       engine_resources={"engine_node": 1}, strategy="SPREAD",
+                       timeout_s=TIMEOUT_S)
+    placement = RayPlacement(layout)
+    trainer_ips, engine_ips = (_node_ips(cluster, placement.trainer_group),
+                               _node_ips(cluster, placement.engine_groups[0]))
+    assert engine_ips == {"127.0.0.2"} and "127.0.0.2" not in trainer_ips, (
+        trainer_ips, engine_ips)
+    with refit_job(cluster, placement, tmp_path / "v0", "engine@127.0.0.2") as job:
+        assert job.host in trainer_ips  # the refit group's store lives on the trainers' node

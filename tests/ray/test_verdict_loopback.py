@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.launch.ray_cluster import RayLayout, RayPlacement, start_trainers
+from common.launch.ray_cluster import RayLayout, RayPlacement
 from tests.dtensor.models import make_model
-from tests.ray.test_multinode import TIMEOUT_S, CheckpointTrainer, join_and_refit
+from tests.ray.test_multinode import TIMEOUT_S, refit_job
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,31 +91,13 @@ def _pids_titled(prefix: str) -> list[int]:
 
 def test_verdict_a_loopback_ray_cluster_keeps_every_refit_socket_on_loopback(loopback_ray,
                                                                             tmp_path):
-    from common.clients.engine_client import EngineFleet
-    from common.clients.ray_engine import RayEngine
-    from common.engine_config import EngineConfig
-    from recipes.engines import tiny_llm_kwargs
-
     assert {n["NodeManagerAddress"] for n in loopback_ray.nodes()} == {"127.0.0.1"}
     make_model("qwen3", dtype=torch.bfloat16).save_pretrained(tmp_path / "v0")
     placement = RayPlacement(RayLayout(trainers=2, timeout_s=TIMEOUT_S))
-    trainers = fleet = None
-    try:
-        trainers = start_trainers(CheckpointTrainer, placement, str(tmp_path / "v0"), 1.5)
-        assert {ip for ip, _ in trainers.where} == {"127.0.0.1"}
-        config = EngineConfig(model=str(tmp_path / "v0"), llm_kwargs=tiny_llm_kwargs(64))
-        engine = RayEngine.start(config, name="engine@loopback", **placement.engine_options(0))
-        fleet = EngineFleet([engine])
-        join_and_refit(loopback_ray, trainers, fleet, engine)
-        pids = [pid for _, pid in trainers.where] + _pids_titled("ray::HostActor")
+    with refit_job(loopback_ray, placement, tmp_path / "v0", "engine@loopback") as job:
+        assert {ip for ip, _ in job.trainers.where} == {"127.0.0.1"}
+        pids = [pid for _, pid in job.trainers.where] + _pids_titled("ray::HostActor")
         assert len(pids) == 3, pids
         bound = {pid: bound_addresses(pid) for pid in pids}
         assert all(bound.values()), bound  # each holds the refit group's sockets now
         assert set().union(*bound.values()) == {"127.0.0.1"}, bound
-    finally:
-        if fleet is not None:
-            fleet.close()
-        if trainers is not None:
-            trainers.call("shutdown")
-            trainers.kill()
-        placement.remove()
