@@ -74,6 +74,7 @@ def agree_on_plan(
         lines = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
         raise PlanMismatchError(f"{group.label}: refit plan mismatch at setup: {lines}")
     group.timeout_s = theirs.config.timeout_s  # the join timeout covered the rendezvous
+    group.take_bytes_moved()  # the setup's own: not a refit's
     return theirs
 
 
@@ -90,14 +91,17 @@ def exchange_status(group: Transport, stats: RefitStats, error: BaseException | 
         # streams, or an aborted communicator's, are not the refit's to wait for.
         torch.cuda.current_stream(group.device).synchronize()
     stats.seconds = time.perf_counter() - t0  # this rank's work, sent to the others
+    stats.wire_bytes = group.take_bytes_moved()
     mine = "" if error is None else f"{type(error).__name__}: {error}"
     times = {"seconds": stats.seconds, "wait_s": stats.wait_s, "load_s": stats.load_s,
-             "post_s": stats.post_s, "buckets_loaded": stats.buckets_loaded}
+             "post_s": stats.post_s, "buckets_loaded": stats.buckets_loaded,
+             "wire_bytes": stats.wire_bytes}
     group.refits += 1
     statuses = group.all_gather_bytes(
         encode_status(mine, times, group.rank == 0 and group.verdict_by_caller), STATUS_BYTES,
         f"refit v{stats.version} status")
     stats.seconds = time.perf_counter() - t0
+    group.take_bytes_moved()  # the exchange's own: not the next refit's
     records = {r: decode_status(s) for r, s in enumerate(statuses)}
     failed = {r: rec["error"] for r, rec in records.items() if rec["error"]}
     stats.receivers = {r: rec["times"] for r, rec in records.items()

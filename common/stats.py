@@ -20,9 +20,10 @@ class RefitStats:
     post_s: float = 0.0  # receiver: what runs after the last bucket (post-load processing)
     buckets_loaded: int = 0  # buckets handed to the receiver callback
     checksum_s: float = 0.0  # receiver: checking the received bytes against the sender's
+    wire_bytes: int = 0  # this rank's bytes sent or received by the refit's broadcasts
     role: str = "sender"
-    # Each receiving rank's own timings ({"seconds", "wait_s", "load_s", "post_s"}), from the status
-    # exchange at the end of a refit that landed.
+    # Each receiving rank's own timings ({"seconds", "wait_s", "load_s", "post_s", "wire_bytes"}),
+    # from the status exchange at the end of a refit that landed.
     receivers: dict[int, dict[str, float]] = field(default_factory=dict)
 
     @property
@@ -38,7 +39,9 @@ class RefitStats:
                 f"{self.wait_s * 1e3:.1f} ms)")
         if self.receivers:
             rank, slowest = max(self.receivers.items(), key=lambda kv: kv[1].get("seconds", 0))
+            most = max(r.get("wire_bytes", 0) for r in self.receivers.values())
             text += (f"; slowest of {len(self.receivers)} receivers: rank {rank} "
                      f"{slowest.get('seconds', 0) * 1e3:.1f} ms (load "
-                     f"{slowest.get('load_s', 0) * 1e3:.1f} ms)")
+                     f"{slowest.get('load_s', 0) * 1e3:.1f} ms); most received "
+                     f"{most / 1e6:.1f} MB")
         return text

@@ -9,6 +9,7 @@ from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.wire.bucket_header import HEADER_BYTES
 from common.wire.group import RefitGroup
 from recipes.rank_runner import run_ranks
 from tests.multiproc import expect_ok, receive_all
@@ -50,9 +51,13 @@ def roundtrip_rank(rank: int, world: int, port: int, trainers: int, buffers: int
         sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
         for version in (1, 2):
             source.tensors = make_tensors(0, version)
-            sender.refit(source, version)
-        return {"buckets": len(sender.plan.buckets),
-                "direct": sum(b.direct for b in sender.plan.buckets)}
+            stats = sender.refit(source, version)
+        plan = sender.plan  # each bucket's broadcasts: header + payload, or header then payload
+        sent = sum(sender.headers[0].numel() + b.nbytes if b.direct
+                   else sender.bucket_buffer(b).numel() for b in plan.buckets)
+        return {"buckets": len(plan.buckets), "direct": sum(b.direct for b in plan.buckets),
+                "wire": stats.wire_bytes, "sent": sent, "total": plan.total_bytes,
+                "receivers_wire": {r: t["wire_bytes"] for r, t in stats.receivers.items()}}
     receiver = RefitReceiver.setup(group)
     for version in (1, 2):
         stats, got = receive_all(receiver)
@@ -74,3 +79,8 @@ def test_roundtrip_bitwise(trainers: int, receivers: int, buffers: int) -> None:
     assert res[0]["buckets"] > 3 and res[0]["direct"] == 3
     for r in range(trainers, trainers + receivers):
         assert res[r] == {1: len(make_tensors(0)), 2: len(make_tensors(0))}
+    # every rank of a broadcast moves its bytes: each bucket's header and payload, the
+    # status exchange not counted; the receivers report theirs in the status records
+    wire = res[0]["wire"]
+    assert wire == res[0]["sent"] > res[0]["total"] + res[0]["buckets"] * HEADER_BYTES, res[0]
+    assert res[0]["receivers_wire"] == dict.fromkeys(range(trainers, trainers + receivers), wire)

@@ -109,8 +109,7 @@ class RefitGroup(Transport):
         log.info("%s joined refit group %r (%s, world %d) in %.2fs", self.label, name,
                  self.backend, world_size, time.perf_counter() - t0)
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> dist.Work:
-        """Start an async broadcast of `tensor` from `src`; finish it with `wait`."""
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> dist.Work:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0

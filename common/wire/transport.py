@@ -72,6 +72,7 @@ class Transport(ABC):
         self.verdict_by_caller = False
         self.refits = 0  # end-of-refit status exchanges so far: the key of each verdict
         self._published: int | None = None  # rank 0: the last verdict it published
+        self._moved = 0  # bytes broadcast since the last `take_bytes_moved`
         try:
             # The store listens on `host` only (TCPStore alone would listen on every address).
             listen = {"master_listen_fd": listening_fd(host, port)} if rank == 0 else {}
@@ -96,11 +97,22 @@ class Transport(ABC):
         role = "trainer" if self.is_trainer else "receiver"
         return f"refit rank {self.rank}/{self.world_size} ({role})"
 
-    # --- what a transport supplies ---------------------------------------------------------
-    @abstractmethod
     def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
         """Start broadcasting `tensor` from rank `src` (received into `tensor` elsewhere);
-        returns a handle for `wait`."""
+        returns a handle for `wait`. Its bytes count in `take_bytes_moved`."""
+        self._moved += tensor.numel() * tensor.element_size()
+        return self._broadcast(tensor, src)
+
+    def take_bytes_moved(self) -> int:
+        """Bytes this rank sent or received by broadcast since the last call: what went over
+        the wire for it, as the collectives were issued (not an encoded length)."""
+        moved, self._moved = self._moved, 0
+        return moved
+
+    # --- what a transport supplies ---------------------------------------------------------
+    @abstractmethod
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> Any:
+        """Start broadcasting `tensor` from rank `src`; a handle for `wait`."""
 
     @abstractmethod
     def _wait_for(self, work: Any, deadline: float) -> None:
