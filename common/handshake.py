@@ -57,17 +57,9 @@ def agree_on_plan(
     if group.rank == 0 and plan is None:
         raise ValueError("refit rank 0 (the first trainer) must provide the plan")
     data = group.broadcast_bytes(plan.to_json().encode() if group.rank == 0 else None, 0, "plan")
-    theirs = RefitPlan.from_json(data.decode())
-    problem = ""
-    if plan is not None and (diff := plan.difference(theirs)):
-        problem = f"plan {plan.digest[:12]} differs from rank 0's {theirs.digest[:12]}: {diff}"
-    if not problem and (bad := [b for b in theirs.buckets if b.source_rank >= group.num_trainers]):
-        problem = f"bucket {bad[0].index} has source rank {bad[0].source_rank}, not a trainer"
-    if not problem and check is not None:
-        try:
-            problem = check(theirs) or ""
-        except Exception as e:  # noqa: BLE001 - a broken check must still reach every rank
-            problem = f"plan check raised {type(e).__name__}: {e}"
+    theirs, problem = _read_plan(data)  # a peer of another plan format says so below
+    if theirs is not None:
+        problem = _plan_problem(group, plan, theirs, check)
     statuses = group.all_gather_bytes(problem.encode(), STATUS_BYTES, "plan check")
     failed = {r: s.decode(errors="replace") for r, s in enumerate(statuses) if s}
     if failed:
@@ -76,6 +68,29 @@ def agree_on_plan(
     group.timeout_s = theirs.config.timeout_s  # the join timeout covered the rendezvous
     group.take_bytes_moved()  # the setup's own: not a refit's
     return theirs
+
+
+def _plan_problem(group: Transport, plan: RefitPlan | None, theirs: RefitPlan,
+                  check: PlanCheck | None) -> str:
+    """Why this rank cannot take rank 0's plan `theirs`, or ""."""
+    if plan is not None and (diff := plan.difference(theirs)):
+        return f"plan {plan.digest[:12]} differs from rank 0's {theirs.digest[:12]}: {diff}"
+    if bad := [b for b in theirs.buckets if b.source_rank >= group.num_trainers]:
+        return f"bucket {bad[0].index} has source rank {bad[0].source_rank}, not a trainer"
+    if check is None:
+        return ""
+    try:
+        return check(theirs) or ""
+    except Exception as e:  # noqa: BLE001 - a broken check must still reach every rank
+        return f"plan check raised {type(e).__name__}: {e}"
+
+
+def _read_plan(data: bytes) -> tuple[RefitPlan | None, str]:
+    """Rank 0's plan, or None and why this rank cannot read it (another refit version)."""
+    try:
+        return RefitPlan.from_json(data.decode()), ""
+    except (ValueError, KeyError) as e:
+        return None, f"cannot take rank 0's plan: {e}"
 
 
 def exchange_status(group: Transport, stats: RefitStats, error: BaseException | None,

@@ -62,6 +62,26 @@ def test_receiver_with_another_plan_fails_setup_everywhere() -> None:
         assert "rank 3" in msg and "layers.3.weight" in msg and "[32, 64]" in msg, msg
 
 
+def format_skew_rank(rank: int, world: int, port: int) -> tuple[str, str]:
+    """The last receiver runs a refit of another plan format (a peer of another version)."""
+    import common.plan
+
+    config, group = join(rank, world, port)
+    if rank == world - 1:
+        common.plan.PLAN_FORMAT += 1
+    if group.is_trainer:
+        specs = DictWeightSource(tensors()).plan_specs()
+        return outcome(lambda: RefitSender.setup(group, RefitPlan.build(specs, config)))
+    return outcome(lambda: RefitReceiver.setup(group))
+
+
+def test_a_peer_of_another_plan_format_is_refused_at_setup_by_rank() -> None:
+    res = expect_ok(run_ranks(format_skew_rank, 4))
+    for rank, (kind, msg) in res.items():
+        assert kind == "PlanMismatchError", (rank, kind, msg)
+        assert "rank 3: cannot take rank 0's plan: refit plan format" in msg, msg
+
+
 DRIFTS = {  # what layers.5.weight turns into at refit time (the plan says fp32 32 x 32)
     "dtype": lambda t: t.bfloat16(),
     "same-size-shape": lambda t: t.reshape(16, 64),  # the same bytes, laid out wrongly
