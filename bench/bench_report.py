@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from model_shapes import MODELS, Shapes
+from provenance import cpu_model, save
 
 from common.kernels import native
 from common.wire.group import RefitGroup
@@ -105,17 +106,6 @@ def _hardware(group: RefitGroup, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def print_table(report: dict[str, Any]) -> None:
     hw = report["hardware"]
     print(f"refit broadcast bench: {hw['backend']} world {hw['world_size']} "
@@ -140,9 +130,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def emit(report: dict[str, Any], out: str | None) -> None:
-    """The report as JSON: indented into `out` (if given), one line as stdout's last line."""
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            f.write(json.dumps(report, indent=1) + "\n")
+    """The report as JSON, stamped with its provenance: indented into `out` (if given), one
+    line as stdout's last line."""
+    save(report, out)
     print(json.dumps(report, separators=(",", ":")), flush=True)

@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from provenance import save  # noqa: E402 - beside this script
 
 TRAINERS, RECEIVERS = 2, 2
 FAULTS = ("none", "drift", "flip", "loader", "kill_receiver", "kill_trainer")
@@ -219,9 +220,8 @@ def main() -> None:
     ap.add_argument("--out", help="write the report here (JSON)")
     args = ap.parse_args()
     report = soak(args.refits, args.seed, args.timeout)
+    save(report, args.out)
     print(json.dumps(report, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

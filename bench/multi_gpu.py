@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from broadcast_bench import NO_MULTICAST
+from provenance import save
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -107,9 +108,7 @@ def main() -> None:
     if not args.quick:
         report["nccl_tests"] = nccl_tests(args)
     report["wall_s"] = round(time.perf_counter() - t0, 1)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(json.dumps(report, indent=1) + "\n")
+    save(report, args.out)
     print(json.dumps({k: report[k] for k in (*HEADLINE, "moe_like", "wall_s")}))
     failed = [k for k, v in runs.items() if "error" in v]
     if failed or report.get("nccl_tests", {}).get("rc", 0) not in (0, 5):

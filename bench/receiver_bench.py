@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from provenance import save  # beside this script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -196,8 +197,7 @@ def main() -> None:
                   f"({r['load_weights_over_memcpy']:.1f}x); learning "
                   f"{r['learn_over_load_weights']:.2f}x a load_weights refit")
     result["summary"] = summary
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    save(result, args.out)
     print(json.dumps(summary))
 
 
