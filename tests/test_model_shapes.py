@@ -35,7 +35,8 @@ def _checkpoint(config) -> set[tuple[str, tuple[int, ...]]]:
 
 
 def _tiny(arch: str):
-    from transformers import Qwen3Config as HfQwen3, Qwen3MoeConfig
+    from transformers import Qwen3Config as HfQwen3
+    from transformers import Qwen3MoeConfig
 
     from tests.dtensor.models import make_config
 
