@@ -123,6 +123,19 @@ class Needs:
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.buckets.values())
 
+    def problem(self, bucket_bytes: list[int]) -> str | None:
+        """Why these needs cannot be a plan's whose buckets hold `bucket_bytes` bytes (from
+        the first tensor on): a bucket it does not have, or bytes past a bucket's end."""
+        for index, ranges in sorted(self.buckets.items()):
+            if not 0 <= index < len(bucket_bytes):
+                return f"bucket {index} is not in the plan ({len(bucket_bytes)} buckets)"
+            if len(ranges.starts) and (ranges.starts[0] < 0 or int(
+                    ranges.starts[-1] + ranges.lengths[-1]) > bucket_bytes[index]):
+                return (f"bucket {index}: bytes {int(ranges.starts[0])}.."
+                        f"{int(ranges.starts[-1] + ranges.lengths[-1])} outside its "
+                        f"{bucket_bytes[index]} bytes")
+        return None
+
 
 def need_sets(needs: dict[int, Needs]) -> list[tuple[list[int], Needs]]:
     """Ranks grouped by equal needs, in order of their first rank: (ranks, needs)."""

@@ -57,3 +57,10 @@ def test_shard_workers_with_equal_needs_form_one_need_set() -> None:
     sets = need_sets({2: tp0, 3: tp1, 4: again, 5: tp1, 6: full})
     assert [ranks for ranks, _ in sets] == [[2, 4], [3, 5], [6]]
     assert sets[0][1].nbytes() == 64 + 256 and sets[2][1].full
+
+
+def test_shard_needs_outside_the_plan_are_refused_saying_where() -> None:
+    needs = Needs({1: ByteRanges.of(np.array([0, 900]), np.array([64, 200]))})
+    assert needs.problem([4096, 1100]) is None
+    assert needs.problem([4096, 1000]) == "bucket 1: bytes 0..1100 outside its 1000 bytes"
+    assert needs.problem([4096]) == "bucket 1 is not in the plan (1 buckets)"
