@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from common.broadcast import RefitSender
-from common.clients.engine_client import EngineClient, EngineFleet
+from common.clients.engine_client import EngineClient
+from common.clients.fleet import EngineFleet
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource

@@ -35,7 +35,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
 
 from common.broadcast import RefitSender  # noqa: E402
-from common.clients.engine_client import PAUSE_MODES, EngineClient, EngineFleet  # noqa: E402
+from common.clients.engine_client import PAUSE_MODES, EngineClient  # noqa: E402
+from common.clients.fleet import EngineFleet  # noqa: E402
 from common.config import RefitConfig  # noqa: E402
 from common.plan import RefitPlan  # noqa: E402
 from common.wire.group import RefitGroup, free_port  # noqa: E402

@@ -23,7 +23,8 @@ from pathlib import Path
 import ray
 import torch
 
-from common.clients.engine_client import PAUSE_MODES, EngineError, EngineFleet
+from common.clients.engine_client import PAUSE_MODES, EngineError
+from common.clients.fleet import EngineFleet
 from common.clients.ray_engine import RayEngine
 from common.config import RefitConfig
 from common.engine_config import EngineConfig

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.clients.engine_client import EngineFleet
+from common.clients.fleet import EngineFleet
 from common.wire.group import free_port
 from recipes.rank_runner import run_ranks
 from tests.dtensor.shard import build_unsharded

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.clients.engine_client import EngineError, EngineFleet
+from common.clients.engine_client import EngineError
+from common.clients.fleet import EngineFleet
 from common.wire.group import free_port
 from recipes.rank_runner import run_ranks
 from tests.dtensor.shard import Case, bias_names, build_unsharded, shard_model

@@ -82,7 +82,7 @@ def refit_job(ray, placement: RayPlacement, checkpoint: Path, engine_name: str
     """Two trainer actors (weights: `checkpoint` x1.5) and an engine actor on `placement` join
     a refit group (trainer rank 0 hosts the store), and v1 lands and changes the engine's greedy
     tokens; everything is stopped and the placement removed on exit."""
-    from common.clients.engine_client import EngineFleet
+    from common.clients.fleet import EngineFleet
     from common.clients.ray_engine import RayEngine
     from common.config import RefitConfig
     from common.engine_config import EngineConfig

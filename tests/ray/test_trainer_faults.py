@@ -48,7 +48,7 @@ class FaultyTrainer(TrainerActor):
 def rig(tmp_path_factory):
     """A local cluster, the trainers' placement and one serving engine actor (shared)."""
     ray = pytest.importorskip("ray")
-    from common.clients.engine_client import EngineFleet
+    from common.clients.fleet import EngineFleet
     from common.clients.ray_engine import RayEngine
     from common.engine_config import EngineConfig
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from common.broadcast import RefitSender, RefitStats
-from common.clients.engine_client import Completion, EngineFleet, PauseMode
+from common.clients.engine_client import Completion, PauseMode
+from common.clients.fleet import EngineFleet
 from common.clients.http_engine import HttpEngine
 from common.clients.serve import ServeConfig, VllmServer
 from common.config import RefitConfig

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from common.broadcast import RefitSender
-from common.clients.engine_client import EngineError, EngineFleet
+from common.clients.engine_client import EngineError
+from common.clients.fleet import EngineFleet
 from common.clients.serve import VllmServer
 from common.config import RefitConfig
 from common.plan import RefitPlan

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from common.broadcast import RefitSender
-from common.clients.engine_client import EngineFleet
+from common.clients.fleet import EngineFleet
 from common.clients.serve import VllmServer
 from common.config import RefitConfig
 from common.plan import RefitPlan

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from common.broadcast import RefitSender
-from common.clients.engine_client import EngineFleet
+from common.clients.fleet import EngineFleet
 from common.clients.http_engine import HttpEngine
 from common.clients.serve import VllmServer
 from common.config import RefitConfig
