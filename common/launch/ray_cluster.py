@@ -18,7 +18,6 @@ import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import ray
@@ -31,7 +30,7 @@ from common.broadcast import RefitSender
 from common.errors import RefitError
 from common.plan import RefitPlan
 from common.source import WeightSource
-from common.wire.addresses import bind_process_to, listening_fd
+from common.wire.addresses import bind_process_to, tcp_store
 from common.wire.group import RefitGroup, free_port
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -130,9 +129,7 @@ class TrainerActor(ABC):
     def init_distributed(self, rank: int, world: int, addr: str, port: int) -> None:
         """torch.distributed among the trainer actors; rank 0's store listens on `addr` only."""
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        listen = {"master_listen_fd": listening_fd(addr, port)} if rank == 0 else {}
-        store = dist.TCPStore(addr, port, world, is_master=rank == 0,
-                              timeout=timedelta(seconds=_DIST_TIMEOUT_S), **listen)
+        store = tcp_store(addr, port, world, rank == 0, _DIST_TIMEOUT_S)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         self.source = self.build()
 

@@ -6,15 +6,27 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
+
+import torch.distributed as dist
 
 
 def _family(host: str) -> socket.AddressFamily:
     return socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][0]
 
 
-def listening_fd(host: str, port: int) -> int:
-    """A TCP socket listening on `host`:`port` only, as a file descriptor the caller owns
-    (handed to `TCPStore(master_listen_fd=...)`, which otherwise listens on every address)."""
+def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float,
+              wait_for_workers: bool = True) -> dist.TCPStore:
+    """A TCPStore at `host`:`port`; the master listens on `host` only (TCPStore alone would
+    listen on every address of the machine)."""
+    listen = {"master_listen_fd": _listening_fd(host, port)} if is_master else {}
+    return dist.TCPStore(host, port, world_size, is_master=is_master,
+                         timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=wait_for_workers, **listen)
+
+
+def _listening_fd(host: str, port: int) -> int:
+    """A TCP socket listening on `host`:`port` only, as a file descriptor the store owns."""
     sock = socket.socket(_family(host), socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

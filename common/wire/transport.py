@@ -20,14 +20,13 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from common.errors import RefitAborted, RefitCommError, RefitError
-from common.wire.addresses import listening_fd
+from common.wire.addresses import tcp_store
 
 ABORT_POLL_S = 0.25  # how often a waiting rank looks for another rank's abort record
 FIRST_SLEEP_S = 20e-6  # the first sleep between polls of a collective (then doubling)
@@ -74,11 +73,8 @@ class Transport(ABC):
         self._published: int | None = None  # rank 0: the last verdict it published
         self._moved = 0  # bytes broadcast since the last `take_bytes_moved`
         try:
-            # The store listens on `host` only (TCPStore alone would listen on every address).
-            listen = {"master_listen_fd": listening_fd(host, port)} if rank == 0 else {}
-            self._store = dist.TCPStore(host, port, world_size, is_master=rank == 0,
-                                        timeout=timedelta(seconds=self.timeout_s),
-                                        wait_for_workers=False, **listen)
+            self._store = tcp_store(host, port, world_size, rank == 0, self.timeout_s,
+                                    wait_for_workers=False)
         except Exception as e:  # noqa: BLE001 - rewrap with who/where
             raise self.join_error(e) from e
         self._data_store = dist.PrefixStore(f"refit/{name}/", self._store)
@@ -222,12 +218,13 @@ class Transport(ABC):
         read the last verdict it published (at most `VERDICT_LINGER_S`; not after an abort)."""
         if self._published is None or self.num_trainers == 1:
             return
-        key, deadline = _VERDICT_READ_KEY.format(self._published), time.monotonic() + min(
-            self.timeout_s, VERDICT_LINGER_S)
-        with contextlib.suppress(Exception):  # a dead store: nobody is left to read it
-            while (self.aborted is None and time.monotonic() < deadline
-                   and int(self._control.add(key, 0)) < self.num_trainers - 1):
-                time.sleep(1e-3)
+        key = _VERDICT_READ_KEY.format(self._published)
+        deadline = time.monotonic() + min(self.timeout_s, VERDICT_LINGER_S)
+        # an abort, the deadline or a dead store ends it: nobody is left to read it then
+        with contextlib.suppress(Exception):
+            if self.aborted is None:
+                self._poll(lambda: int(self._control.add(key, 0)) >= self.num_trainers - 1,
+                           deadline, 1e-3)
         self._published = None
 
     def members(self) -> str:
