@@ -127,12 +127,10 @@ class DirectLoad:
         out = {}
         for index, runs in self.runs.items():
             bucket = plan.buckets[index]
-            whole = [(bucket.offsets[p] - bucket.offsets[0],
-                      plan.specs[bucket.spec_indices[p]].nbytes) for p in runs.fallback]
-            starts, sizes = (np.array(c, dtype=np.int64) for c in zip(*whole, strict=True)) \
-                if whole else (np.zeros(0, dtype=np.int64),) * 2
-            ranges = ByteRanges.of(np.concatenate([runs.copy.src, starts]),
-                                   np.concatenate([runs.copy.nbytes, sizes]))
+            starts = [bucket.offsets[p] - bucket.offsets[0] for p in runs.fallback]
+            sizes = [plan.specs[bucket.spec_indices[p]].nbytes for p in runs.fallback]
+            ranges = ByteRanges.of(np.concatenate([runs.copy.src, np.array(starts, np.int64)]),
+                                   np.concatenate([runs.copy.nbytes, np.array(sizes, np.int64)]))
             if ranges.nbytes:
                 out[index] = ranges
         return Needs(out)
