@@ -29,9 +29,10 @@ from bench_report import DTYPE, build_report, emit, print_table  # beside this s
 from forward_source import ForwardingSource
 from model_shapes import MODELS, Shapes, qwen3_shapes, scaled
 
-from common.broadcast import RefitReceiver, RefitSender, RefitStats, _Endpoint
+from common.broadcast import RefitReceiver, RefitSender, RefitStats
 from common.bucket_check import BucketChecker
 from common.config import RefitConfig
+from common.endpoint import Endpoint
 from common.packing import BucketLayout, byte_view
 from common.plan import RefitPlan, TensorSpec, align_up
 from common.source import DictWeightSource, WeightSource
@@ -174,7 +175,7 @@ def bench_pack(group: RefitGroup, shapes: Shapes, args: argparse.Namespace) -> d
     specs = [s for s in make_specs(shapes, 1) if s.nbytes < direct]
     tensors = make_tensors(specs, device)
     plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=args.bucket_bytes, num_buffers=2))
-    layouts = _Endpoint(group, plan).layouts  # a refit's per-bucket layouts; nothing is sent
+    layouts = Endpoint(group, plan).layouts  # a refit's per-bucket layouts; nothing is sent
 
     # fresh name strings, as a source yields them (the plan's own would compare by identity)
     items = [(spec.name.encode().decode(), t) for spec, t in zip(specs, tensors, strict=True)]

@@ -7,7 +7,10 @@ Protocol (identical collective sequence on every rank, whatever fails, so nothin
            direct bucket, one large tensor: a header broadcast, then its bytes straight from the
            tensor into the receive buffer, or into a tensor of its own when oversize);
            then one all-gather of every rank's status, so every rank learns whether the refit
-           landed everywhere.
+           landed everywhere. With shard-to-shard (`common.sharding`) the refit starts with an
+           all-gather of needs digests (and a re-plan when they changed), and each bucket goes
+           as one frame per need-set over the set's subgroup: whole to the full set, only the
+           set's bytes to a compact set (`common.shard_frames`).
 The sender packs bucket k+1 while bucket k is on the wire (gloo works on its own thread; NCCL
 kernels run on the process group's stream while the pack runs on the compute stream). A buffer
 is reused only after the host has waited for its previous collective (with the timeout), so
@@ -20,85 +23,36 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import torch
 
 from common.bucket_check import BucketChecker
+from common.endpoint import Endpoint
 from common.errors import (
     RefitAborted,
     RefitCommError,
     RefitError,
     TensorMismatchError,
 )
-from common.handshake import PlanCheck, agree_on_plan, exchange_status
+from common.handshake import PlanCheck, agree_on_plan
 from common.kernels import native
-from common.packing import BucketLayout, byte_view
-from common.plan import Bucket, RefitPlan, align_up
+from common.needs import Needs
+from common.packing import byte_view
+from common.plan import Bucket, RefitPlan
+from common.sharding import Route
 from common.source import WeightSource
 from common.stats import RefitStats
 from common.wire import checksum
-from common.wire.bucket_header import HEADER_BYTES, STATUS_ABORT, STATUS_OK, Header
+from common.wire.bucket_header import HEADER_BYTES, STATUS_OK, Header
 from common.wire.transport import Transport
 
 log = logging.getLogger(__name__)
 BucketCallback = Callable[[list[tuple[str, torch.Tensor]]], None]
+CompactCallback = Callable[[int, torch.Tensor], None]
 
 
-class _Endpoint:
-    """Buffers and the end-of-refit status exchange shared by sender and receiver."""
-
-    def __init__(self, group: Transport, plan: RefitPlan) -> None:
-        self.group, self.plan = group, plan
-        self.num_buffers = plan.config.num_buffers
-        self.checksums = plan.config.checksum and checksum.supported(group.device)
-        self.payload_start = align_up(HEADER_BYTES, plan.config.alignment)
-        size = self.payload_start + plan.buffer_bytes
-        dev = group.device
-        self.buffers = [torch.empty(size, dtype=torch.uint8, device=dev)
-                        for _ in range(self.num_buffers)]
-        self.headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8, device=dev)
-                        for _ in range(self.num_buffers)]
-        # Each bucket always lands in the same buffer: its views are made once, here.
-        self.layouts = {
-            b.index: BucketLayout(self.bucket_buffer(b)[self.payload_start :],
-                                  plan.bucket_specs(b), b.offsets)
-            for b in plan.buckets if not b.oversize
-        }
-
-    def header(self, bucket: Bucket, version: int, error: BaseException | None) -> Header:
-        if error is None:
-            return Header(bucket.index, len(self.plan.buckets), version, self.plan.digest,
-                          checksummed=self.checksums)
-        return Header(bucket.index, len(self.plan.buckets), version, self.plan.digest,
-                      STATUS_ABORT, f"{type(error).__name__}: {error}")
-
-    def direct_target(self, bucket: Bucket) -> torch.Tensor:
-        """Where a direct bucket's bytes land: the payload region of its buffer, or a fresh
-        tensor when it is larger than a buffer (oversize)."""
-        if bucket.oversize:
-            return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.group.device)
-        return self.bucket_buffer(bucket)[self.payload_start :]
-
-    def bucket_buffer(self, bucket: Bucket) -> torch.Tensor:
-        return self.buffers[bucket.index % self.num_buffers][: self.payload_start + bucket.nbytes]
-
-    def payload(self, bucket: Bucket) -> torch.Tensor:
-        """A packed bucket's bytes in its buffer (after the header)."""
-        return self.bucket_buffer(bucket)[self.payload_start:]
-
-    def wait_all(self, works: Sequence[tuple[object, str]], stats: RefitStats) -> None:
-        t0 = time.perf_counter()
-        for work, what in works:
-            self.group.wait(work, what)
-        stats.wait_s += time.perf_counter() - t0
-
-    def finish(self, stats: RefitStats, error: BaseException | None, t0: float) -> RefitStats:
-        """Exchange every rank's status; raise on every rank if any rank failed."""
-        return exchange_status(self.group, stats, error, t0)
-
-
-class RefitSender(_Endpoint):
+class RefitSender(Endpoint):
     """Runs on every training rank; the plan's source ranks send, the others take part."""
 
     def __init__(self, group: Transport, plan: RefitPlan) -> None:
@@ -115,34 +69,40 @@ class RefitSender(_Endpoint):
         native.load()  # a first build (~25 s) happens here, before the group waits on us
         return cls(group, agree_on_plan(group, plan))
 
-    def header_table(self, version: int) -> torch.Tensor:
-        """Every bucket's OK header for this refit, moved to the device in one copy (a copy per
-        bucket costs a synchronous host-to-device transfer each on CUDA)."""
-        raw = b"".join(self.header(b, version, None).encode_bytes() for b in self.plan.buckets)
-        table = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, HEADER_BYTES)
-        return table.to(self.group.device)
+    def header_table(self, version: int,
+                     routes: list[list[Route]]) -> tuple[torch.Tensor, dict[tuple, int]]:
+        """Every frame's OK header for this refit, moved to the device in one copy (a copy per
+        frame costs a synchronous host-to-device transfer each on CUDA), and each frame's row
+        by (bucket, need-set)."""
+        rows, raw = {}, []
+        for bucket, frames in zip(self.plan.buckets, routes, strict=True):
+            for route in frames:
+                rows[bucket.index, route.set_index] = len(raw)
+                raw.append(self.header(bucket, version, None, route).encode_bytes())
+        table = torch.frombuffer(bytearray(b"".join(raw)), dtype=torch.uint8)
+        return table.view(-1, HEADER_BYTES).to(self.group.device), rows
 
     def refit(self, source: WeightSource, version: int) -> RefitStats:
         """Send one complete set of weights, tagged `version`; returns this rank's stats."""
         plan, group = self.plan, self.group
         stats = RefitStats(version, len(plan.buckets), plan.total_bytes)
         t0 = time.perf_counter()
+        self.agree_on_needs(None)
+        routes = [self.sharding.routes(b) for b in plan.buckets]
         it: Iterator | None = iter(source.iter_tensors(plan))
         error: BaseException | None = None
-        pending: list[list] = [[] for _ in range(self.num_buffers)]
-        held: list[torch.Tensor | None] = [None] * self.num_buffers
-        table = self.header_table(version)
+        pending: dict[tuple[int, int], list] = {}  # (need-set, slot) -> works in flight
+        held: dict[tuple[int, int], torch.Tensor | None] = {}
+        table = self.header_table(version, routes)
         # A failed collective kills the refit group; this rank then stops using it but still
         # drains the weight source, so its gathers on the training groups stay in step with
         # the other training ranks (they reach the same state at their own next wait).
         dead: RefitCommError | None = None
         for bucket in plan.buckets:
             slot = bucket.index % self.num_buffers
-            # An oversize bucket starts only when nothing else is in flight: at most one
-            # oversize tensor is alive beyond the N buffers.
-            for s in range(self.num_buffers) if bucket.oversize else [slot]:
-                dead = dead or self._settle(pending[s], stats)
-                pending[s], held[s] = [], None
+            for key in self._slots(bucket, routes[bucket.index]):
+                dead = dead or self._settle(pending.pop(key, []), stats)
+                held.pop(key, None)
             tensors: list = []
             ptrs = None
             if it is not None:
@@ -157,12 +117,14 @@ class RefitSender(_Endpoint):
             if dead is not None:
                 continue
             t1 = time.perf_counter()
-            pending[slot], held[slot], error = self._send(bucket, version, tensors, ptrs, error,
-                                                          table)
+            for route in routes[bucket.index]:
+                key = (route.set_index, slot)
+                pending[key], held[key], error = self._send(bucket, version, tensors, ptrs,
+                                                            error, table, route)
             stats.pack_s += time.perf_counter() - t1
             del tensors
-        for s in range(self.num_buffers):
-            dead = dead or self._settle(pending[s], stats)
+        for works in pending.values():
+            dead = dead or self._settle(works, stats)
         if dead is not None:
             raise dead  # no status exchange over a dead group
         if it is not None and error is None and next(it, None) is not None:
@@ -170,38 +132,54 @@ class RefitSender(_Endpoint):
                                f"{len(plan.specs)}")
         return self.finish(stats, error, t0)
 
+    def _slots(self, bucket: Bucket, routes: list[Route]) -> list[tuple[int, int]]:
+        """The (need-set, slot) buffers whose collectives must end before `bucket` is packed:
+        its own slot per frame; for an oversize whole bucket every slot of its set (at most
+        one oversize tensor is alive beyond the N buffers)."""
+        slots = range(self.num_buffers) if bucket.oversize else [bucket.index % self.num_buffers]
+        return [(r.set_index, s) for r in routes
+                for s in (slots if r.gather is None else [bucket.index % self.num_buffers])]
+
     def _send(self, bucket: Bucket, version: int, tensors: list, ptrs, error,
-              table: torch.Tensor) -> tuple[list, torch.Tensor | None, BaseException | None]:
-        """Pack (on its source) and start one bucket's broadcasts; returns the works, the
+              table: tuple[torch.Tensor, dict], route: Route,
+              ) -> tuple[list, torch.Tensor | None, BaseException | None]:
+        """Pack (on its source) and start one frame's broadcasts; returns the works, the
         tensor they hold (alive until waited) and the refit's error so far."""
         group, slot = self.group, bucket.index % self.num_buffers
-        is_src, src = group.rank == bucket.source_rank, bucket.source_rank
+        is_src, src, sub = group.rank == bucket.source_rank, bucket.source_rank, route.sub
         what = f"refit v{version} bucket {bucket.index}/{len(self.plan.buckets)}"
+        if route.set_index >= 0:
+            what += f" to need-set {route.set_index}"
+        direct = bucket.direct and route.gather is None
         payload = None
         if is_src and error is None:
             try:  # a failing pack (device, memory) becomes an ABORT like any other error
-                if bucket.direct:
+                if direct:
                     payload = byte_view(tensors[0].contiguous())
+                elif route.gather is not None:
+                    self.compact[route.set_index].fill(slot, bucket.index, route.gather,
+                                                       tensors, ptrs)
                 else:
                     self.layouts[bucket.index].pack(tensors, ptrs)
             except Exception as e:  # noqa: BLE001 - reported to every rank
                 error = RefitError(f"{group.label}: packing {what} failed: {e}")
-        # The header leads the bucket's own buffer, or has a buffer of its own (direct).
-        wire = self.headers[slot] if bucket.direct else self.bucket_buffer(bucket)
+        # The header leads the frame's own buffer, or has a buffer of its own (direct).
+        wire = self.headers[slot] if direct else self.frame(bucket, route, slot)[0]
+        row = table[0][table[1][bucket.index, route.set_index]]
         if is_src and error is not None:
-            wire[:HEADER_BYTES].copy_(self.header(bucket, version, error).encode())
-        elif is_src and bucket.direct:
-            wire = table[bucket.index]
+            wire[:HEADER_BYTES].copy_(self.header(bucket, version, error, route).encode())
+        elif is_src and direct:
+            wire = row
         elif is_src:
-            wire[:HEADER_BYTES].copy_(table[bucket.index], non_blocking=True)
+            wire[:HEADER_BYTES].copy_(row, non_blocking=True)
         if is_src and error is None and self.checksums:
-            checksum.stamp(wire, payload if bucket.direct else self.payload(bucket))
-        if not bucket.direct:
-            return [(group.broadcast(wire, src), what)], None, error
+            checksum.stamp(wire, payload if direct else self.frame(bucket, route, slot)[1])
+        if not direct:
+            return [(group.broadcast(wire, src, sub), what)], None, error
         if payload is None:  # not the source, or aborting: bytes to receive / discard
             payload = self.direct_target(bucket)
-        return [(group.broadcast(wire, src), what + " header"),
-                (group.broadcast(payload, src), what)], payload, error
+        return [(group.broadcast(wire, src, sub), what + " header"),
+                (group.broadcast(payload, src, sub), what)], payload, error
 
     def _settle(self, works: list, stats: RefitStats) -> RefitCommError | None:
         """Wait for `works`; a failure is returned (the group is dead), not raised."""
@@ -212,7 +190,7 @@ class RefitSender(_Endpoint):
         return None
 
 
-class RefitReceiver(_Endpoint):
+class RefitReceiver(Endpoint):
     """Runs on every inference rank: receives each bucket and hands its tensors to a callback."""
 
     @classmethod
@@ -228,24 +206,38 @@ class RefitReceiver(_Endpoint):
             raise ValueError(f"{group.label} is a training rank; use RefitSender")
         return cls(group, agree_on_plan(group, plan, check))
 
+    def __init__(self, group: Transport, plan: RefitPlan) -> None:
+        super().__init__(group, plan)
+        # What this worker reads of each bucket (`common.needs`) once it knows (a learned
+        # load map); reported at each refit's start. None: every byte.
+        self.needs: Needs | None = None
+
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is a view into one of this receiver's reusable buffers."""
         ptr = tensor.untyped_storage().data_ptr()
-        return any(ptr == b.untyped_storage().data_ptr() for b in self.buffers)
+        buffers = [*self.buffers, *(b for c in self.compact.values() for b in c.buffers)]
+        return any(ptr == b.untyped_storage().data_ptr() for b in buffers)
 
-    def _post(self, bucket: Bucket) -> tuple[list, torch.Tensor | None]:
+    def _post(self, bucket: Bucket, route: Route,
+              ordinal: int) -> tuple[list, torch.Tensor | None]:
         what = f"refit bucket {bucket.index}/{len(self.plan.buckets)}"
-        src = bucket.source_rank
+        src, sub = bucket.source_rank, route.sub
+        if route.gather is not None:
+            frame = self.frame(bucket, route, ordinal)[0]
+            return [(self.group.broadcast(frame, src, sub), what)], None
         if bucket.direct:
             hbuf = self.headers[bucket.index % self.num_buffers]
             target = self.direct_target(bucket)
-            return [(self.group.broadcast(hbuf, src), what + " header"),
-                    (self.group.broadcast(target, src), what)], target
-        return [(self.group.broadcast(self.bucket_buffer(bucket), src), what)], None
+            return [(self.group.broadcast(hbuf, src, sub), what + " header"),
+                    (self.group.broadcast(target, src, sub), what)], target
+        return [(self.group.broadcast(self.bucket_buffer(bucket), src, sub), what)], None
 
     def receive(self, on_bucket: BucketCallback, on_done: Callable[[], None] | None = None,
-                version: int | None = None) -> RefitStats:
-        """Receive one refit; `on_bucket(list of (name, tensor))` is called once per bucket.
+                version: int | None = None,
+                on_compact: CompactCallback | None = None) -> RefitStats:
+        """Receive one refit; `on_bucket(list of (name, tensor))` is called once per bucket
+        that arrives whole, `on_compact(bucket index, payload)` once per compact frame (the
+        bytes of `self.needs`, placed as `common.shard_plan.Gather` says).
 
         The tensors are views into a receive buffer that is reused as soon as the callback
         returns: copy anything that must outlive the call. After the first failure (an ABORT
@@ -254,48 +246,61 @@ class RefitReceiver(_Endpoint):
         end. `on_done()` runs after the last bucket (also after a failure: it closes what the
         loads opened), before the status exchange, so its failure reaches every rank too.
         """
-        buckets = self.plan.buckets
-        stats = RefitStats(-1, len(buckets), self.plan.total_bytes, role="receiver")
+        stats = RefitStats(-1, len(self.plan.buckets), self.plan.total_bytes, role="receiver")
         t0 = time.perf_counter()
+        self.agree_on_needs(self.needs)
+        frames = [(b, r) for b in self.plan.buckets for r in self.sharding.routes(b)]
+        my_set = self.sharding.my_set()
+        stats.need_set = -1 if my_set is None else my_set.index
         posted: dict[int, tuple[list, torch.Tensor | None]] = {}
         error: BaseException | None = None
-        for bucket in buckets:
-            self._post_ahead(bucket, posted)
-            works, target = posted.pop(bucket.index)
+        for ordinal, (bucket, route) in enumerate(frames):
+            self._post_ahead(frames, ordinal, posted)
+            works, target = posted.pop(ordinal)
             self.wait_all(works, stats)
-            raw = self.headers[bucket.index % self.num_buffers] if bucket.direct \
-                else self.bucket_buffer(bucket)
+            raw, payload = (self.headers[bucket.index % self.num_buffers], target) \
+                if bucket.direct and route.gather is None else self.frame(bucket, route, ordinal)
             header = Header.decode(raw)
-            error = self._check_header(bucket, header, version, stats, error)
-            if error is not None or (error := self._verify(bucket, header, target, stats)):
+            error = self._check_header(bucket, route, header, version, stats, error,
+                                       first=ordinal == 0)
+            if error is not None or (error := self._verify(bucket, header, payload, stats)):
                 continue
-            error = self._load(bucket, target, on_bucket, stats)
+            if route.gather is None:
+                error = self._load(bucket, on_bucket, [self._unpack(bucket, target)], stats)
+            elif on_compact is None:
+                error = RefitError(f"{self.group.label}: a compact frame of bucket "
+                                   f"{bucket.index} arrived, but receive() has no on_compact")
+            else:
+                error = self._load(bucket, on_compact, [bucket.index, payload], stats)
         if on_done is not None:
             error = self._run_on_done(on_done, stats, error)
         return self.finish(stats, error, t0)
 
-    def _post_ahead(self, bucket: Bucket, posted: dict) -> None:
-        """Post the receives of the buckets up to N ahead of `bucket` (at most one oversize
+    def _post_ahead(self, frames: list[tuple[Bucket, Route]], ordinal: int, posted: dict) -> None:
+        """Post the receives of the frames up to N ahead of `ordinal` (at most one oversize
         tensor beyond the N buffers)."""
-        buckets = self.plan.buckets
-        nxt = max(posted, default=bucket.index - 1) + 1  # buckets before it are all posted
-        while nxt < len(buckets) and nxt < bucket.index + self.num_buffers:
-            if buckets[nxt].oversize and posted:
+        nxt = max(posted, default=ordinal - 1) + 1  # frames before it are all posted
+        while nxt < len(frames) and nxt < ordinal + self.num_buffers:
+            bucket, route = frames[nxt]
+            if bucket.oversize and route.gather is None and posted:
                 break
-            posted[nxt] = self._post(buckets[nxt])
+            posted[nxt] = self._post(bucket, route, nxt)
             nxt += 1
 
-    def _check_header(self, bucket: Bucket, header: Header, version: int | None,
-                      stats: RefitStats, error: BaseException | None) -> BaseException | None:
-        """The refit's error after this bucket's header: the first bucket fixes the version
-        (a `version` other than it fails the refit), a header out of step raises at once, an
+    def _check_header(self, bucket: Bucket, route: Route, header: Header, version: int | None,
+                      stats: RefitStats, error: BaseException | None,
+                      first: bool) -> BaseException | None:
+        """The refit's error after this frame's header: the first frame fixes the version (a
+        `version` other than it fails the refit), a header out of step raises at once, an
         ABORT fails the refit."""
-        if bucket.index == 0:
+        if first:
             stats.version = header.version
             if version is not None and header.version != version:
                 error = RefitError(f"{self.group.label}: the trainers sent refit "
                                    f"v{header.version}, this receiver expected v{version}")
-        expected = Header(bucket.index, len(self.plan.buckets), stats.version, self.plan.digest)
+        expected = Header(bucket.index, len(self.plan.buckets), stats.version, self.plan.digest,
+                          need_set=route.set_index, kind=route.kind,
+                          payload_bytes=route.payload_bytes(bucket))
         if why := header.mismatch(expected):
             raise RefitError(f"{self.group.label}: protocol out of step at bucket "
                              f"{bucket.index}: {why}; destroy and rebuild the refit group")
@@ -305,18 +310,18 @@ class RefitReceiver(_Endpoint):
                                           f"v{header.version}: {header.message}")
         return error
 
-    def _load(self, bucket: Bucket, target: torch.Tensor | None, on_bucket: BucketCallback,
+    def _load(self, bucket: Bucket, hand_over: Callable, args: list,
               stats: RefitStats) -> BaseException | None:
-        """Hand the bucket's tensors to `on_bucket`; its failure, named, or None."""
-        tensors = self._unpack(bucket, target)
+        """Hand the bucket's bytes over (`hand_over(*args)`); its failure, named, or None."""
         t1 = time.perf_counter()
         stats.buckets_loaded += 1  # also when it fails: it may have loaded a part
         error = None
         try:
-            on_bucket(tensors)
+            hand_over(*args)
         except Exception as e:  # noqa: BLE001 - reported to every rank at the end
+            first = self.plan.specs[bucket.start].name
             error = RefitError(f"{self.group.label}: loading bucket {bucket.index} "
-                               f"({tensors[0][0]!r}..) failed: {type(e).__name__}: {e}")
+                               f"({first!r}..) failed: {type(e).__name__}: {e}")
             error.__cause__ = e
         stats.load_s += time.perf_counter() - t1
         return error
@@ -328,20 +333,21 @@ class RefitReceiver(_Endpoint):
             return [(spec.name, target.view(spec.dtype).view(spec.shape))]
         return self.layouts[bucket.index].unpack()
 
-    def _verify(self, bucket: Bucket, header: Header, target: torch.Tensor | None,
+    def _verify(self, bucket: Bucket, header: Header, payload: torch.Tensor,
                 stats: RefitStats) -> RefitError | None:
         """The received bytes against the sender's checksum (if it sent one): an error naming
         the bucket and its tensors if they differ, before anything of them is loaded."""
         if not header.checksummed:
             return None
         t0 = time.perf_counter()
-        got = checksum.compute(target if bucket.direct else self.payload(bucket))
+        got = checksum.compute(payload)
         stats.checksum_s += time.perf_counter() - t0
         if got == header.checksum:
             return None
         specs = self.plan.bucket_specs(bucket)
         return RefitError(f"{self.group.label}: refit v{header.version} bucket {bucket.index}/"
-                          f"{len(self.plan.buckets)} arrived corrupted ({bucket.nbytes} bytes of "
+                          f"{len(self.plan.buckets)} arrived corrupted "
+                          f"({header.payload_bytes} bytes of "
                           f"{specs[0].name!r}..{specs[-1].name!r}): "
                           f"{checksum.name(self.group.device)} {got:#010x}, the sender's "
                           f"{header.checksum:#010x}; it was not loaded")

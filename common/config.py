@@ -24,6 +24,7 @@ _ENV = {
     "alignment": ("REFIT_ALIGNMENT", int),
     "direct_bytes": ("REFIT_DIRECT_BYTES", int),
     "checksum": ("REFIT_CHECKSUM", boolean),
+    "shard_to_shard": ("REFIT_SHARD_TO_SHARD", boolean),
 }
 
 
@@ -49,6 +50,10 @@ class RefitConfig:
     checksum: the sender stamps each bucket's payload checksum into its header and every
         receiver checks the bytes it received before loading them (`common.wire.checksum`; CPU
         groups; what it costs is measured by `bench/broadcast_bench.py`).
+    shard_to_shard: once an engine worker has learned its load map it reports the byte ranges
+        it reads, and from the next refit on each bucket reaches it as a compact frame of
+        those bytes alone, over a subgroup of the workers with equal needs
+        (`common.shard_plan`); off: every worker receives every byte.
     """
 
     bucket_bytes: int = 256 << 20
@@ -57,6 +62,7 @@ class RefitConfig:
     alignment: int = 256
     direct_bytes: int = 64 << 20
     checksum: bool = False  # what it costs: bench/results/cpu_checksum_quick_models.json
+    shard_to_shard: bool = True
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> RefitConfigError:
@@ -76,8 +82,9 @@ class RefitConfig:
             raise bad("num_buffers", "more than 16 buffers only costs memory")
         if self.alignment < 1 or self.alignment & (self.alignment - 1) or self.alignment > 4096:
             raise bad("alignment", "must be a power of two between 1 and 4096")
-        if not isinstance(self.checksum, bool):
-            raise bad("checksum", "must be a bool")
+        for field in ("checksum", "shard_to_shard"):
+            if not isinstance(getattr(self, field), bool):
+                raise bad(field, "must be a bool")
         if not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:
             raise bad("timeout_s", "must be a positive number of seconds")
 

@@ -18,6 +18,11 @@ class EngineConfig:
         that advertise AMX without enabling it the first generate dies of SIGILL.
     apply: how the workers apply a refit (REFIT_APPLY): "direct" learns where each byte lands
         on the first refit, then copies; "load_weights" runs vLLM's loaders every refit.
+    shard_to_shard: the workers report the bytes their learned maps read, and from then on
+        receive only those (where the trainers' plan allows it); False: every byte
+        (REFIT_SHARD_TO_SHARD).
+    hash_loaded: each refit's apply report carries a hash of the model-format bytes the
+        worker loaded (`common.in_vllm.loaded_hash`; REFIT_HASH_LOADED), to compare workers.
     """
 
     model: str
@@ -26,6 +31,8 @@ class EngineConfig:
     in_process_worker: bool = True
     disable_cpu_amx: bool = True
     apply: str = "direct"
+    shard_to_shard: bool = True
+    hash_loaded: bool = False
     start_timeout_s: float = 300.0  # the engine's build
     call_timeout_s: float = 120.0  # every control call of its client (pause, version, ...)
     llm_kwargs: dict[str, Any] = field(default_factory=dict)

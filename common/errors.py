@@ -32,3 +32,8 @@ class RefitAborted(RefitError):
 class ConversionError(RefitError, LookupError):
     """No conversion is known: a training tensor without a rule, a model type without a
     converter, or a plan tensor the model does not hold (the message names it)."""
+
+
+class NeedsRefusedError(RefitError):
+    """A worker's need report does not fit the plan (raised on every rank at the re-plan at a
+    refit's start, naming the worker; nothing was sent)."""

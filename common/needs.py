@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 _I64 = np.int64
+COMPACT_ALIGN = 16  # each needed range starts at a multiple of this in a compact payload
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,9 +84,20 @@ class ByteRanges:
         starts = np.repeat(groups[:, 0], counts) + index * np.repeat(groups[:, 2], counts)
         return cls.of(starts, np.repeat(groups[:, 1], counts))
 
-    def compact(self, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    def placed(self, align: int = COMPACT_ALIGN) -> np.ndarray:
+        """Where each range begins in the compact payload: the ranges in order, each at the
+        next multiple of `align` (so a range keeps its alignment for vectorised copies)."""
+        ends = np.cumsum(-(-self.lengths // align) * align)
+        return np.concatenate([[0], ends[:-1]]).astype(_I64) if len(ends) else ends
+
+    def compact_bytes(self, align: int = COMPACT_ALIGN) -> int:
+        """The compact payload's size (its last range's end)."""
+        return int(self.placed(align)[-1] + self.lengths[-1]) if len(self.lengths) else 0
+
+    def compact(self, offsets: np.ndarray, lengths: np.ndarray,
+                align: int = COMPACT_ALIGN) -> np.ndarray:
         """Where runs at bucket `offsets` (each inside one range) begin in the compact payload
-        (the needed ranges back to back); raises if a run is not needed whole."""
+        (`placed`); raises if a run is not needed whole."""
         offsets, lengths = np.asarray(offsets, dtype=_I64), np.asarray(lengths, dtype=_I64)
         at = np.searchsorted(self.starts, offsets, side="right") - 1
         inside = (at >= 0) & (offsets + lengths <= self.starts[at] + self.lengths[at])
@@ -93,8 +105,7 @@ class ByteRanges:
             bad = int(np.flatnonzero(~inside)[0])
             raise ValueError(f"bytes {offsets[bad]}..{offsets[bad] + lengths[bad]} are not "
                              f"within one needed range")
-        before = np.concatenate([[0], np.cumsum(self.lengths)[:-1]])
-        return before[at] + offsets - self.starts[at]
+        return self.placed(align)[at] + offsets - self.starts[at]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 
 from common.config import RefitConfig
 
-PLAN_FORMAT = 2
+PLAN_FORMAT = 3  # 3: need-sets, and frame headers saying need-set, kind and size
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -187,6 +187,7 @@ class RefitPlan:
             "num_buffers": c.num_buffers,
             "alignment": c.alignment,
             "direct_bytes": c.direct_bytes,
+            "shard_to_shard": c.shard_to_shard,
             "specs": [s.to_json() for s in self.specs],
         }
 
@@ -207,6 +208,7 @@ class RefitPlan:
             alignment=data["alignment"],
             direct_bytes=data["direct_bytes"],
             checksum=data.get("checksum", False),
+            shard_to_shard=data["shard_to_shard"],
         )
         plan = cls(tuple(TensorSpec.from_json(s) for s in data["specs"]), config)
         if "digest" in data and data["digest"] != plan.digest:
@@ -225,7 +227,8 @@ class RefitPlan:
         """The first difference between two plans in words, or None when the digests agree."""
         if self.digest == other.digest:
             return None
-        for key in ("bucket_bytes", "num_buffers", "alignment", "direct_bytes"):
+        for key in ("bucket_bytes", "num_buffers", "alignment", "direct_bytes",
+                    "shard_to_shard"):
             a, b = getattr(self.config, key), getattr(other.config, key)
             if a != b:
                 return f"{key} differs: {a} vs {b}"

@@ -21,9 +21,10 @@ class RefitStats:
     buckets_loaded: int = 0  # buckets handed to the receiver callback
     checksum_s: float = 0.0  # receiver: checking the received bytes against the sender's
     wire_bytes: int = 0  # this rank's bytes sent or received by the refit's broadcasts
+    need_set: int = -1  # receiver: its need-set in this refit (-1: whole buckets to everyone)
     role: str = "sender"
-    # Each receiving rank's own timings ({"seconds", "wait_s", "load_s", "post_s", "wire_bytes"}),
-    # from the status exchange at the end of a refit that landed.
+    # Each receiving rank's own timings ({"seconds", "wait_s", "load_s", "post_s", "wire_bytes",
+    # "need_set"}), from the status exchange at the end of a refit that landed.
     receivers: dict[int, dict[str, float]] = field(default_factory=dict)
 
     @property
@@ -39,9 +40,17 @@ class RefitStats:
                 f"{self.wait_s * 1e3:.1f} ms)")
         if self.receivers:
             rank, slowest = max(self.receivers.items(), key=lambda kv: kv[1].get("seconds", 0))
-            most = max(r.get("wire_bytes", 0) for r in self.receivers.values())
             text += (f"; slowest of {len(self.receivers)} receivers: rank {rank} "
                      f"{slowest.get('seconds', 0) * 1e3:.1f} ms (load "
                      f"{slowest.get('load_s', 0) * 1e3:.1f} ms); most received "
-                     f"{most / 1e6:.1f} MB")
+                     + ", ".join(f"{n / 1e6:.1f} MB" + (f" (need-set {s})" if s >= 0 else "")
+                                 for s, n in sorted(self.received_by_set().items())))
         return text
+
+    def received_by_set(self) -> dict[int, int]:
+        """The most bytes one receiver took in, per need-set (-1: no need-sets)."""
+        out: dict[int, int] = {}
+        for r in self.receivers.values():
+            s = int(r.get("need_set", -1))
+            out[s] = max(out.get(s, 0), int(r.get("wire_bytes", 0)))
+        return out

@@ -41,8 +41,11 @@ def test_shard_a_row_parallel_slice_is_one_group() -> None:
 
 def test_shard_runs_land_at_their_place_in_the_compact_payload() -> None:
     ranges = ByteRanges.of(np.array([100, 500, 1000]), np.array([50, 100, 10]))
-    got = ranges.compact(np.array([100, 120, 500, 590, 1000]), np.array([20, 30, 10, 10, 10]))
-    assert got.tolist() == [0, 20, 50, 140, 150]
+    runs = np.array([100, 120, 500, 590, 1000]), np.array([20, 30, 10, 10, 10])
+    assert ranges.compact(*runs, align=1).tolist() == [0, 20, 50, 140, 150]
+    # each range starts 16-byte aligned: 50 -> 64, 100 -> 112
+    assert ranges.compact(*runs).tolist() == [0, 20, 64, 154, 176]
+    assert ranges.compact_bytes() == 176 + 10 and ranges.compact_bytes(align=1) == 160
     with pytest.raises(ValueError, match="not within one needed range"):
         ranges.compact(np.array([140]), np.array([20]))  # runs past its range
 

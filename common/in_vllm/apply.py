@@ -31,6 +31,7 @@ from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, mate
 from vllm.model_executor.model_loader.reload.utils import get_layer_tensors, get_tensor_load_numel
 
 from common.in_vllm.load_map import BucketCopy, CopyRecorder, Dest, Fill, byte_runs, tiles_exactly
+from common.in_vllm.loaded_hash import LoadedHashes
 from common.needs import ByteRanges, Needs
 from common.plan import RefitPlan
 
@@ -112,6 +113,10 @@ class DirectLoad:
         self.dest_index: dict[str, list[int]] = defaultdict(list)
         for i, dest in enumerate(dests):
             self.dest_index[dest.layer].append(i)
+        self.need: Needs | None = None  # what it reads of each bucket (`use_compact`)
+        # bucket -> its runs from a compact payload, and its fallback tensors' offsets there
+        self.compact: dict[int, tuple[BucketCopy, list[tuple[int, int]]]] = {}
+        self.hashes: LoadedHashes | None = None  # set by the caller for one refit
 
     def _live_shapes(self) -> dict[Dest, tuple]:
         live = {}
@@ -134,6 +139,22 @@ class DirectLoad:
             if ranges.nbytes:
                 out[index] = ranges
         return Needs(out)
+
+    def use_compact(self, plan: RefitPlan) -> Needs:
+        """This worker's needs, and its runs re-based onto compact payloads of them (so a
+        compact frame applies like a whole bucket)."""
+        self.need, self.compact = self.needs(plan), {}
+        for index, ranges in self.need.buckets.items():
+            runs, bucket = self.runs[index], plan.buckets[index]
+            c = runs.copy
+            rel = np.array([bucket.offsets[p] for p in runs.fallback], dtype=np.int64)
+            sizes = np.array([plan.specs[bucket.spec_indices[p]].nbytes for p in runs.fallback],
+                             dtype=np.int64)
+            at = ranges.compact(rel, sizes) if len(rel) else rel
+            self.compact[index] = (BucketCopy(ranges.compact(c.src, c.nbytes), c.dest, c.dst,
+                                              c.nbytes),
+                                   list(zip(runs.fallback, at.tolist(), strict=True)))
+        return self.need
 
     def stale(self) -> str | None:
         """Why the map no longer fits the serving tensors (then a refit relearns it)."""
@@ -163,6 +184,27 @@ class DirectLoad:
         """Apply bucket `index`; its other tensors go to `fallback` (`load_weights`), or
         nowhere if None (`items` may then be the bucket's bytes alone)."""
         runs = self.runs[index]
+        rest = [items[i] for i in runs.fallback] if fallback is not None else []
+        return self._apply(index, runs.copy, items[0][1], rest, fallback)
+
+    def load_compact(self, index: int, payload: torch.Tensor, plan: RefitPlan,
+                     fallback: Callable[[Items], set[str]]) -> set[str]:
+        """Apply bucket `index` from a compact frame's payload (`use_compact`)."""
+        copy, places = self.compact[index]
+        bucket, rest = plan.buckets[index], []
+        for pos, at in places:
+            spec = plan.specs[bucket.spec_indices[pos]]
+            raw = payload[at : at + spec.nbytes]
+            if raw.data_ptr() % spec.dtype.itemsize:
+                raw = raw.clone()  # placed after a range of another dtype: align it
+            rest.append((spec.name, raw.view(spec.dtype).view(spec.shape)))
+        return self._apply(index, copy, payload, rest, fallback)
+
+    def _apply(self, index: int, copy: BucketCopy, first: torch.Tensor, rest: Items,
+               fallback: Callable[[Items], set[str]] | None) -> set[str]:
+        """Bucket `index`'s runs from the bytes at `first`, then vLLM's processing of the
+        layers it completes; `rest` to `fallback`."""
+        runs = self.runs[index]
         for path in runs.first_touch:
             layer = self.modules[path]
             _in_serving_memory(layer, LAYERWISE_INFO[layer])
@@ -171,17 +213,35 @@ class DirectLoad:
             for i in self.dest_index[path]:
                 self.bases[i] = live[self.dests[i].name].data_ptr()
         t0 = time.perf_counter()
-        runs.copy.run(items[0][1], self.bases)
+        copy.run(first, self.bases)
         t1 = time.perf_counter()
         for path in runs.finishing:
             layer = self.modules[path]
+            self._hash_layer(path)
             _layerwise_process(layer, LAYERWISE_INFO[layer])
         self.times["copy_s"] += t1 - t0
         self.times["process_s"] += time.perf_counter() - t1
         loaded = set(runs.loaded)
-        if runs.fallback and fallback is not None:
-            loaded |= fallback([items[i] for i in runs.fallback])
+        if rest and fallback is not None:
+            if self.hashes is not None:
+                for name, tensor in rest:
+                    self.hashes.add(name, tensor)
+            loaded |= fallback(rest)
         return loaded
+
+    def _hash_layer(self, path: str) -> None:
+        """Its dests' model-format bytes into `hashes` (when on)."""
+        if self.hashes is not None:
+            live = get_layer_tensors(self.modules[path])
+            for i in self.dest_index[path]:
+                self.hashes.add(self.dests[i].param_name, live[self.dests[i].name])
+
+    def hash_copy_layers(self) -> None:
+        """At the end of a refit: the copy layers' serving tensors (model format) into
+        `hashes` (when on)."""
+        for path, kind in self.kinds.items():
+            if kind == COPY and path in self.dest_index:
+                self._hash_layer(path)
 
 
 def learn(model: torch.nn.Module, plan: RefitPlan, recorder: CopyRecorder) -> DirectLoad:
@@ -213,7 +273,7 @@ def learn(model: torch.nn.Module, plan: RefitPlan, recorder: CopyRecorder) -> Di
                         params)
     report = _report(plan, bad_tensors, ran)
     direct = DirectLoad(model, dests, kinds, runs, report)
-    needs = direct.needs(plan)
+    needs = direct.use_compact(plan)
     report.update(needs_bytes=needs.nbytes(), needs_digest=needs.digest[:16])
     return direct
 

@@ -40,6 +40,7 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 
 from common.broadcast import RefitReceiver
 from common.checkpoint import checkpoint_tensors, plan_problems
+from common.in_vllm import loaded_hash
 from common.in_vllm.apply import DirectLoad, learn
 from common.in_vllm.load_map import CopyRecorder
 from common.in_vllm.map_check import (
@@ -119,6 +120,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             self.direct = None  # learned for another plan: the next refit learns again
         if self.direct is None:
             self.apply_report = {"path": _apply_mode()}
+        self._report_needs()  # a kept map: its needs hold in the new group from its first refit
         self._index = {spec.name: i for i, spec in enumerate(plan.specs)}
         self.fixes = ReloadFixes(self.model)
         self._bucket_of = {plan.specs[b.start].name: b.index for b in plan.buckets
@@ -173,6 +175,9 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         held = readable_params(self.model) if verify else None
         receiver, model, loaded = self.receiver, self.model, set()
         direct, recorder = self._pick_path()
+        self._report_needs()
+        if direct is not None:
+            direct.hashes = loaded_hash.LoadedHashes() if loaded_hash.enabled() else None
         kept = Kept(model) if recorder and _verify_map() else None
         watch = recorder if recorder is not None else contextlib.nullcontext()
         t0 = time.perf_counter()
@@ -191,6 +196,9 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                     kept.keep(index, items, receiver.plan.buckets[index].nbytes)
                 loaded.update(self._load(items, recorder))
 
+        def on_compact(index: int, payload: torch.Tensor) -> None:
+            loaded.update(direct.load_compact(index, payload, receiver.plan, self._load))
+
         def finalize() -> None:  # before the status exchange: its failure reaches every rank
             nonlocal finalized
             finalized = True
@@ -202,11 +210,15 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                                    f"{missing[0]!r}")
             if recorder is not None:
                 self._learn(recorder, kept)
+            if direct is not None and direct.hashes is not None:
+                direct.hash_copy_layers()
+                self.apply_report["loaded_hash"] = direct.hashes.digest()
             if held is not None:
                 self._check_unchanged(held, loaded, version)
 
         try:
-            stats = receiver.receive(on_bucket, on_done=finalize, version=version)
+            stats = receiver.receive(on_bucket, on_done=finalize, version=version,
+                                     on_compact=on_compact)
         finally:
             if recorder is not None:
                 recorder.close()
@@ -220,6 +232,13 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                     log.exception("closing the reload session of failed refit v%d", version)
         self.last_version, self.landed = version, True
         self._report_landed(version, direct, stats, t0)
+
+    def _report_needs(self) -> None:
+        """What this worker reads of each bucket, for the refits to come: its learned map's
+        needs, or None (every byte) without one or with REFIT_SHARD_TO_SHARD=0 here."""
+        on = self.direct is not None and _shard_to_shard()
+        self.receiver.needs = self.direct.need if on else None
+        self.apply_report["needs_reported"] = on
 
     def _check_version(self, version: int, verify: bool) -> None:
         """A refit must be newer than what the engine holds; a verification, the same."""
@@ -289,6 +308,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                  f", because: {r['fallback_reasons']}" if r["fallback_tensors"] else "")
         if kept is not None:
             self._check_map(kept)
+        self._report_needs()
 
     def _check_map(self, kept: Kept) -> None:
         """The map re-applies the learning refit's bytes; any difference drops it (and the
@@ -356,6 +376,12 @@ def _apply_mode() -> str:
     if mode not in ("direct", "load_weights"):
         raise ValueError(f"REFIT_APPLY={mode!r}: use 'direct' or 'load_weights'")
     return mode
+
+
+def _shard_to_shard() -> bool:
+    """REFIT_SHARD_TO_SHARD (default 1): report this worker's needs once its map is learned
+    (where the trainers' plan allows it, `RefitConfig.shard_to_shard`); 0: take every byte."""
+    return os.environ.get("REFIT_SHARD_TO_SHARD", "1") != "0"
 
 
 def _verify_map() -> bool:

@@ -28,6 +28,8 @@ def configure_process(config: EngineConfig, in_process: bool) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ["OMP_NUM_THREADS"] = str(config.threads)
     os.environ["REFIT_APPLY"] = config.apply
+    os.environ["REFIT_SHARD_TO_SHARD"] = str(int(config.shard_to_shard))
+    os.environ["REFIT_HASH_LOADED"] = str(int(config.hash_loaded))
     if config.workers() > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_mask(config.workers(),
                                                                 config.threads)

@@ -91,30 +91,43 @@ class RefitGroup(Transport):
                          num_trainers=num_trainers, timeout_s=timeout_s, device=device,
                          name=name, rank_names=rank_names)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        timeout = timedelta(seconds=self.timeout_s)
+        self._subgroups: list[object] = []  # backend groups of `subgroup`, aborted with ours
         try:
-            if self.backend == "nccl":
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
-                with _env(_NCCL_ENV):
-                    self._pg = dist.ProcessGroupNCCL(self._data_store, rank, world_size, opts)
-            else:  # gloo listens on this rank's address on the route to rank 0's `host`
-                opts = dist.ProcessGroupGloo._Options()
-                opts._timeout = timeout
-                opts._devices = [dist.ProcessGroupGloo.create_device(
-                    hostname=local_address_toward(host, port))]
-                self._pg = dist.ProcessGroupGloo(self._data_store, rank, world_size, opts)
+            self._pg = self._backend_group(self._data_store, rank, world_size)
         except Exception as e:  # noqa: BLE001 - rewrap with who/where
             raise self.join_error(e) from e
         log.info("%s joined refit group %r (%s, world %d) in %.2fs", self.label, name,
                  self.backend, world_size, time.perf_counter() - t0)
 
-    def _broadcast(self, tensor: torch.Tensor, src: int) -> dist.Work:
+    def _backend_group(self, store: dist.Store, rank: int, size: int) -> object:
+        """A gloo or NCCL group of `size` ranks meeting in `store`, with the refit timeout."""
+        timeout = timedelta(seconds=self.timeout_s)
+        if self.backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            with _env(_NCCL_ENV):
+                return dist.ProcessGroupNCCL(store, rank, size, opts)
+        # gloo listens on this rank's address on the route to rank 0's `host`
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(
+            hostname=local_address_toward(self.host, self.port))]
+        return dist.ProcessGroupGloo(store, rank, size, opts)
+
+    supports_subgroups = True
+
+    def _new_subgroup(self, ranks: tuple[int, ...], key: str) -> object:
+        pg = self._backend_group(dist.PrefixStore(f"sub/{key}/", self._data_store),
+                                 ranks.index(self.rank), len(ranks))
+        self._subgroups.append(pg)
+        return pg
+
+    def _broadcast(self, tensor: torch.Tensor, src: int, handle: object = None) -> dist.Work:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
         opts.timeout = self._backend_timeout()
-        return self._pg.broadcast([tensor], opts)
+        return (handle or self._pg).broadcast([tensor], opts)
 
     def _backend_timeout(self) -> timedelta:
         """The backend's own timeout for a collective: past `wait`'s deadline, so that the
@@ -137,9 +150,10 @@ class RefitGroup(Transport):
         _ABANDONED[:] = [entry for entry in _ABANDONED if entry[0] > time.monotonic()]
         _ABANDONED.append((time.monotonic() + self.timeout_s + 2 * _BACKEND_GRACE_S, work,
                            self._pg))
-        if self.backend == "nccl" and self._pg is not None:
-            with contextlib.suppress(Exception):
-                self._pg.abort()
+        if self.backend == "nccl":
+            for pg in [self._pg, *self._subgroups]:
+                with contextlib.suppress(Exception):
+                    pg and pg.abort()
 
     def all_gather_bytes(self, data: bytes, size: int, what: str) -> list[bytes]:
         """Every rank's `data` (truncated / zero-padded to `size` bytes), in rank order."""
@@ -154,8 +168,10 @@ class RefitGroup(Transport):
         """Leave the group (after a failure, abort it); safe to call twice. Rank 0 first
         lets the other trainers read its last verdict (`Transport.linger_for_verdict`)."""
         self.linger_for_verdict()
-        pg, self._pg = getattr(self, "_pg", None), None
-        if pg is not None and self.backend == "nccl":
-            with contextlib.suppress(Exception):
-                pg.abort()
+        pgs = [getattr(self, "_pg", None), *getattr(self, "_subgroups", [])]
+        self._pg, self._subgroups = None, []
+        if self.backend == "nccl":
+            for pg in pgs:
+                with contextlib.suppress(Exception):
+                    pg and pg.abort()
         self._store = self._data_store = self._control = None

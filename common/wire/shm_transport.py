@@ -79,7 +79,7 @@ class ShmTransport(Transport):
         except Exception as e:  # noqa: BLE001 - rewrap with who/where
             raise self.join_error(e) from e
 
-    def _broadcast(self, tensor: torch.Tensor, src: int) -> _Work:
+    def _broadcast(self, tensor: torch.Tensor, src: int, handle: object = None) -> _Work:
         work = _Work(self._seq, tensor, src)
         self._seq += 1
         if self.rank == src:

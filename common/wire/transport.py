@@ -20,6 +20,7 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,8 +48,19 @@ def clean(error: BaseException) -> str:
     return re.sub(r"\s*GLHF!?\s*\S*\s*$", "", text).strip()
 
 
+@dataclass(frozen=True)
+class Subgroup:
+    """Some ranks of the group (refit ranks, in order) with a backend group of their own: a
+    broadcast in it reaches only them (shard-to-shard frames)."""
+
+    ranks: tuple[int, ...]
+    handle: Any
+
+
 class Transport(ABC):
     """One rank of a refit group: the interface and the shared control plane (module doc)."""
+
+    supports_subgroups = False  # `subgroup` works (else every worker takes whole buckets)
 
     def __init__(self, *, host: str, port: int, rank: int, world_size: int, num_trainers: int,
                  timeout_s: float, device: torch.device | str | None = None,
@@ -93,11 +105,29 @@ class Transport(ABC):
         role = "trainer" if self.is_trainer else "receiver"
         return f"refit rank {self.rank}/{self.world_size} ({role})"
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
-        """Start broadcasting `tensor` from rank `src` (received into `tensor` elsewhere);
-        returns a handle for `wait`. Its bytes count in `take_bytes_moved`."""
+    def broadcast(self, tensor: torch.Tensor, src: int, sub: Subgroup | None = None) -> Any:
+        """Start broadcasting `tensor` from rank `src` (received into `tensor` elsewhere) to
+        the whole group, or to `sub`'s ranks; returns a handle for `wait`. Its bytes count in
+        `take_bytes_moved`."""
         self._moved += tensor.numel() * tensor.element_size()
-        return self._broadcast(tensor, src)
+        if sub is None:
+            return self._broadcast(tensor, src)
+        return self._broadcast(tensor, sub.ranks.index(src), sub.handle)
+
+    def subgroup(self, ranks: list[int], key: str) -> Subgroup | None:
+        """A subgroup of `ranks` (this rank among them), built by those ranks alone, in the
+        same order of keys on each; None when `ranks` is the whole group (use the group)."""
+        ranks = tuple(sorted(ranks))
+        if self.rank not in ranks:
+            raise ValueError(f"{self.label} is not in subgroup {key} {list(ranks)}")
+        if len(ranks) == self.world_size:
+            return None
+        try:
+            return Subgroup(ranks, self._new_subgroup(ranks, key))
+        except Exception as e:  # noqa: BLE001 - rewrap with who/where
+            raise RefitCommError(f"{self.label}: could not build refit subgroup {key} of ranks "
+                                 f"{list(ranks)} within {self.timeout_s:.0f}s: {clean(e)}"
+                                 f"{self.members()}") from e
 
     def take_bytes_moved(self) -> int:
         """Bytes this rank sent or received by broadcast since the last call: what went over
@@ -107,8 +137,13 @@ class Transport(ABC):
 
     # --- what a transport supplies ---------------------------------------------------------
     @abstractmethod
-    def _broadcast(self, tensor: torch.Tensor, src: int) -> Any:
-        """Start broadcasting `tensor` from rank `src`; a handle for `wait`."""
+    def _broadcast(self, tensor: torch.Tensor, src: int, handle: Any = None) -> Any:
+        """Start broadcasting `tensor` from rank `src` (of subgroup `handle`, if given); a
+        handle for `wait`."""
+
+    def _new_subgroup(self, ranks: tuple[int, ...], key: str) -> Any:
+        """The backend group of `ranks` (see `subgroup`), where `supports_subgroups`."""
+        raise NotImplementedError(f"{type(self).__name__} has no subgroups")
 
     @abstractmethod
     def _wait_for(self, work: Any, deadline: float) -> None:

@@ -1,0 +1,100 @@
+"""What sender and receiver share: the bucket buffers and their views, the frame headers, the
+re-plan of need-sets at a refit's start and the compact frames' buffers it calls for, and the
+end-of-refit status exchange (`common.broadcast` has the protocol)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from common.handshake import exchange_status
+from common.needs import Needs
+from common.packing import BucketLayout
+from common.plan import Bucket, RefitPlan, align_up
+from common.shard_frames import CompactBuffers
+from common.sharding import Route, Sharding
+from common.stats import RefitStats
+from common.wire import checksum
+from common.wire.bucket_header import HEADER_BYTES, STATUS_ABORT, Header
+from common.wire.transport import Transport
+
+
+class Endpoint:
+    """Buffers and the end-of-refit status exchange shared by sender and receiver."""
+
+    def __init__(self, group: Transport, plan: RefitPlan) -> None:
+        self.group, self.plan = group, plan
+        self.num_buffers = plan.config.num_buffers
+        self.checksums = plan.config.checksum and checksum.supported(group.device)
+        self.payload_start = align_up(HEADER_BYTES, plan.config.alignment)
+        size = self.payload_start + plan.buffer_bytes
+        dev = group.device
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=dev)
+                        for _ in range(self.num_buffers)]
+        self.headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8, device=dev)
+                        for _ in range(self.num_buffers)]
+        # Each bucket always lands in the same buffer: its views are made once, here.
+        self.layouts = {
+            b.index: BucketLayout(self.bucket_buffer(b)[self.payload_start :],
+                                  plan.bucket_specs(b), b.offsets)
+            for b in plan.buckets if not b.oversize
+        }
+        self.sharding = Sharding(group, plan)
+        self.compact: dict[int, CompactBuffers] = {}  # compact set -> its frame buffers
+        self._replans = 0
+
+    def agree_on_needs(self, needs: Needs | None) -> None:
+        """The refit's first exchange (`Sharding.agree`); after a re-plan, the compact sets'
+        frame buffers this rank takes part in."""
+        self.sharding.agree(needs)
+        if self.sharding.replans == self._replans:
+            return
+        self._replans, self.compact, shard = self.sharding.replans, {}, self.sharding.shard
+        for index in self.sharding.subgroups if shard is not None else ():
+            if not shard.sets[index].full:
+                self.compact[index] = CompactBuffers(self.group.device, self.payload_start,
+                                                     shard.frame_bytes(index), self.num_buffers)
+
+    def header(self, bucket: Bucket, version: int, error: BaseException | None,
+               route: Route) -> Header:
+        frame = dict(need_set=route.set_index, kind=route.kind,
+                     payload_bytes=route.payload_bytes(bucket))
+        if error is None:
+            return Header(bucket.index, len(self.plan.buckets), version, self.plan.digest,
+                          checksummed=self.checksums, **frame)
+        return Header(bucket.index, len(self.plan.buckets), version, self.plan.digest,
+                      STATUS_ABORT, f"{type(error).__name__}: {error}", **frame)
+
+    def frame(self, bucket: Bucket, route: Route, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed frame's [header | payload] buffer and its payload (a compact frame's in
+        its set's buffers, a whole bucket's in the bucket buffers)."""
+        if route.gather is None:
+            return self.bucket_buffer(bucket), self.payload(bucket)
+        buffers = self.compact[route.set_index]
+        return buffers.frame(slot, route.gather), buffers.payload(slot, route.gather)
+
+    def direct_target(self, bucket: Bucket) -> torch.Tensor:
+        """Where a direct bucket's bytes land: the payload region of its buffer, or a fresh
+        tensor when it is larger than a buffer (oversize)."""
+        if bucket.oversize:
+            return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.group.device)
+        return self.bucket_buffer(bucket)[self.payload_start :]
+
+    def bucket_buffer(self, bucket: Bucket) -> torch.Tensor:
+        return self.buffers[bucket.index % self.num_buffers][: self.payload_start + bucket.nbytes]
+
+    def payload(self, bucket: Bucket) -> torch.Tensor:
+        """A packed bucket's bytes in its buffer (after the header)."""
+        return self.bucket_buffer(bucket)[self.payload_start:]
+
+    def wait_all(self, works: Sequence[tuple[object, str]], stats: RefitStats) -> None:
+        t0 = time.perf_counter()
+        for work, what in works:
+            self.group.wait(work, what)
+        stats.wait_s += time.perf_counter() - t0
+
+    def finish(self, stats: RefitStats, error: BaseException | None, t0: float) -> RefitStats:
+        """Exchange every rank's status; raise on every rank if any rank failed."""
+        return exchange_status(self.group, stats, error, t0)

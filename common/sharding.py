@@ -1,0 +1,136 @@
+"""The re-plan at each refit's start: who needs what, agreed by every rank of the group.
+
+Every rank's needs digest is all-gathered (one small exchange per refit; trainers and workers
+without a learned map say ""). When the digests differ from the last refit's, each distinct
+report is broadcast once (by its first rank), checked against the plan on every rank (a report
+that does not fit is refused, naming the worker, and the refit fails before a byte is sent),
+need-sets are formed (`common.shard_plan`) and each set gets a subgroup: every trainer + its
+workers, built in set order by its members alone. Until a worker reports needs it takes whole
+buckets (the full set); with no compact set at all the whole group carries whole buckets, as
+without shard-to-shard. Switched off (`RefitConfig.shard_to_shard`) or on a transport without
+subgroups, nothing is exchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from common.errors import NOTHING_LOADED, NeedsRefusedError
+from common.needs import Needs
+from common.plan import Bucket, RefitPlan
+from common.shard_plan import COMPACT, FULL, Gather, NeedSet, ShardPlan, plan_bucket_bytes
+from common.wire.transport import Subgroup, Transport
+
+log = logging.getLogger(__name__)
+DIGEST_BYTES = 64
+_FULL = Needs({}, full=True)
+
+
+@dataclass(frozen=True)
+class Route:
+    """One frame of a bucket: to need-set `set_index` (-1: the whole group) over `sub`
+    (None: the whole group), the whole bucket (`gather` None) or its compact bytes."""
+
+    set_index: int
+    sub: Subgroup | None
+    gather: Gather | None = None
+
+    @property
+    def kind(self) -> int:
+        return FULL if self.gather is None else COMPACT
+
+    def payload_bytes(self, bucket: Bucket) -> int:
+        return bucket.nbytes if self.gather is None else self.gather.nbytes
+
+
+WHOLE_GROUP = Route(-1, None)
+
+
+class Sharding:
+    """One rank's view of the group's need-sets and its subgroups, kept across refits."""
+
+    def __init__(self, group: Transport, plan: RefitPlan) -> None:
+        self.group, self.plan = group, plan
+        self.enabled = plan.config.shard_to_shard and group.supports_subgroups
+        self.digests: list[str] | None = None
+        self.shard: ShardPlan | None = None  # None: whole buckets to the whole group
+        self.subgroups: dict[int, Subgroup | None] = {}  # set index -> its subgroup
+        self.replans = 0
+
+    def agree(self, mine: Needs | None) -> None:
+        """Every rank, at a refit's start: this rank's needs (None: whole buckets)."""
+        if not self.enabled:
+            return
+        group = self.group
+        digest = "" if mine is None or mine.full else mine.digest
+        raw = group.all_gather_bytes(digest.encode(), DIGEST_BYTES, "needs digests")
+        digests = [d.decode() for d in raw]
+        if digests == self.digests:
+            return
+        self.digests = None  # until this re-plan succeeds
+        needs = self._reports(digests, mine)
+        self.shard, self.subgroups = None, {}
+        if any(not n.full for n in needs.values()):
+            self.shard = ShardPlan(self.plan, needs)
+            for s in self.shard.sets:
+                if group.is_trainer or group.rank in s.ranks:
+                    members = list(range(group.num_trainers)) + list(s.ranks)
+                    self.subgroups[s.index] = group.subgroup(members,
+                                                             f"{group.refits}/{s.index}")
+        self.digests, self.replans = digests, self.replans + 1
+        if group.rank == 0:
+            log.info("%s: re-planned need-sets: %s", group.label,
+                     self.shard.describe() if self.shard else "every worker takes whole buckets")
+
+    def _reports(self, digests: list[str], mine: Needs | None) -> dict[int, Needs]:
+        """Every receiver's needs: each distinct report broadcast by its first rank, checked
+        against the plan on every rank (the same verdict everywhere)."""
+        group, sizes = self.group, plan_bucket_bytes(self.plan)
+        out: dict[int, Needs] = {}
+        seen: dict[str, Needs] = {}
+        problems = []
+        for rank in range(group.num_trainers, group.world_size):
+            digest = digests[rank]
+            if not digest:
+                out[rank] = _FULL
+                continue
+            if digest not in seen:
+                text = group.broadcast_bytes(mine.to_json().encode() if rank == group.rank
+                                             else None, rank, f"needs of rank {rank}")
+                seen[digest] = Needs.from_json(text.decode())
+                why = seen[digest].problem(sizes)
+                if why is None and seen[digest].digest != digest:
+                    why = "its report does not match its digest"
+                if why is not None:
+                    problems.append(f"refit rank {rank}{_who(group, rank)}: {why}")
+            out[rank] = seen[digest]
+        if problems:
+            raise NeedsRefusedError(f"{group.label}: the re-plan refused need reports that do "
+                                    f"not fit plan {self.plan.digest[:12]}: "
+                                    f"{'; '.join(problems)}; {NOTHING_LOADED}")
+        return out
+
+    def routes(self, bucket: Bucket) -> list[Route]:
+        """The frames of `bucket` this rank takes part in, in the order every rank sends
+        them: a trainer all of them, a worker its set's (none if it reads nothing of it)."""
+        if self.shard is None:
+            return [WHOLE_GROUP]
+        out = []
+        for s in self.shard.sets:
+            if s.index not in self.subgroups:
+                continue
+            if s.full:
+                out.append(Route(s.index, self.subgroups[s.index]))
+            elif gather := self.shard.frames[s.index].get(bucket.index):
+                out.append(Route(s.index, self.subgroups[s.index], gather))
+        return out
+
+    def my_set(self) -> NeedSet | None:
+        """This receiver's need-set, or None when the whole group takes whole buckets."""
+        return None if self.shard is None else self.shard.set_of(self.group.rank)
+
+
+def _who(group: Transport, rank: int) -> str:
+    name = group.rank_names.get(rank)
+    return f" ({name})" if name else ""
