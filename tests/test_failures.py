@@ -25,6 +25,7 @@ from common.source import DictWeightSource
 from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
 from tests.multiproc import expect_ok, outcome, receive_all
+from tests.test_shard_core import needs_for
 
 TRAINERS = 2
 
@@ -190,11 +191,12 @@ class DyingSource(DictWeightSource):
 
 def dead_peer_rank(rank: int, world: int, port: int, port2: int,
                    device_for: Callable[[int], torch.device] = on_cpu,
-                   victim: int = 3) -> dict:
+                   victim: int = 3, shard: bool = False) -> dict:
     """Rank `victim` dies mid-refit; the others must raise fast, rebuild without it, refit.
 
     `device_for(rank)` picks (and prepares) the rank's device: the CPU (gloo) here, the rank's
-    own GPU (NCCL) in test_multi_rank_soak.py's variant.
+    own GPU (NCCL) in test_multi_rank_soak.py's variant. `shard`: the two receivers report
+    different needs (each its own need-set and subgroup), so the refit runs as compact frames.
     """
     device = device_for(rank)
 
@@ -211,15 +213,17 @@ def dead_peer_rank(rank: int, world: int, port: int, port2: int,
         run = lambda: endpoint.refit(sent, 1)  # noqa: E731
     else:
         endpoint = RefitReceiver.setup(group)
+        if shard:
+            endpoint.needs = needs_for(endpoint.plan, rank - TRAINERS)
         calls = []
 
-        def load(items):
+        def load(*items):
             calls.append(1)
             if rank == victim and len(calls) == 2:
                 os._exit(17)  # killed mid-refit
             time.sleep(0.05)
 
-        run = lambda: endpoint.receive(load)  # noqa: E731
+        run = lambda: endpoint.receive(load, on_compact=load)  # noqa: E731
     t0 = time.monotonic()
     try:
         run()
@@ -270,6 +274,15 @@ def test_a_dead_rank_makes_every_other_rank_raise_in_seconds_and_the_group_rebui
     for rank, (status, value) in sorted(res.items()):
         if status == "ok":
             print(f"rank {rank} raised after {value['raised'][2]:.2f}s: {value['raised'][1]}")
+    check_dead_peer(res, victim)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [3, 1], ids=["receiver", "trainer-1"])
+def test_shard_a_dead_rank_mid_compact_frames_makes_every_rank_raise_in_seconds(
+        victim: int) -> None:
+    res = run_ranks(dead_peer_rank, 4, free_port(), on_cpu, victim, True, allow_dead=True,
+                    timeout=90)
     check_dead_peer(res, victim)
 
 

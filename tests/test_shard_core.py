@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 
 from common.broadcast import RefitReceiver, RefitSender
@@ -18,6 +19,8 @@ from common.config import RefitConfig
 from common.errors import NeedsRefusedError
 from common.needs import ByteRanges, Needs
 from common.plan import RefitPlan
+from common.shard_frames import CompactBuffers
+from common.shard_plan import Gather
 from common.source import DictWeightSource
 from common.wire.group import RefitGroup
 from recipes.rank_runner import run_ranks
@@ -152,3 +155,43 @@ def test_shard_need_report_outside_the_plan_is_refused_naming_the_worker() -> No
         assert kind == NeedsRefusedError.__name__, (rank, kind, message)
         assert "refit rank 3" in message and "is not in the plan" in message, message
         assert "nothing of it was loaded" in message
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("aligned", [True, False])
+def test_shard_gather_copies_each_piece_bit_for_bit(device: str, aligned: bool) -> None:
+    """Ranges crossing tensor ends and the alignment gaps between them, rows of a
+    row-parallel tensor; sources aligned (CUDA: the pointer-table kernel) or not (a tensor at
+    an odd address: the per-piece copies)."""
+    g = torch.Generator().manual_seed(1)
+    tensors = {"a": torch.randn(300, generator=g).bfloat16(),  # 600 bytes, then a gap
+               "rows": torch.randn(64, 48, generator=g),  # row-parallel: half of each row
+               "c": torch.randint(0, 255, (1000,), generator=g, dtype=torch.uint8)}
+    plan = RefitPlan.build(DictWeightSource(tensors).plan_specs(),
+                           RefitConfig(bucket_bytes=1 << 20, direct_bytes=1 << 20))
+    (bucket,) = plan.buckets
+    rows = bucket.offsets[1] + np.arange(64) * 48 * 4
+    ranges = ByteRanges.of(np.concatenate([[10, 590], rows + 96, [bucket.offsets[2] + 3]]),
+                           np.concatenate([[100, bucket.offsets[1] + 40 - 590],
+                                           np.full(64, 96), [997]]))
+    gather = Gather.of(bucket, [s.nbytes for s in plan.bucket_specs(bucket)], ranges)
+    on = {n: t.to(device) for n, t in tensors.items()}
+    if not aligned:  # "c" at an odd address
+        on["c"] = torch.zeros(1001, dtype=torch.uint8, device=device)[1:].copy_(on["c"])
+    buffers = CompactBuffers(torch.device(device), 512, gather.nbytes, 2)
+    buffers.fill(0, 0, gather, [on[s.name] for s in plan.bucket_specs(bucket)], None)
+    got = buffers.payload(0, gather).cpu().numpy()
+    image = bucket_image(plan, 0, tensors)
+    for place, start, length in zip(ranges.placed(), ranges.starts, ranges.lengths,
+                                    strict=True):
+        tail = max(0, start + length - bucket.nbytes)  # no bytes past the bucket
+        end = start + length - tail
+        # a gap between tensors is not copied: compare only bytes inside tensors
+        inside = np.zeros(bucket.nbytes, dtype=bool)
+        for o, s in zip(bucket.offsets, plan.bucket_specs(bucket), strict=True):
+            inside[o : o + s.nbytes] = True
+        keep = inside[start:end]
+        assert np.array_equal(got[place : place + end - start][keep], image[start:end][keep])

@@ -2,8 +2,10 @@
 buckets (`EngineConfig.shard_to_shard=False`), both hosted by `LocalEngine` (its child process
 may start vLLM's worker processes; a daemonic child may not). The first refit learns each
 worker's load map; from the second on the shard engine's workers each receive about half of
-the plan's bytes, load model-format bytes hashing equal to those of the whole-bucket engine's
-worker of the same TP rank, and both generate exactly like a fresh TP=2 engine."""
+the plan's bytes and load model-format bytes hashing equal to those of the whole-bucket
+engine's worker of the same TP rank. Then the whole-bucket engine gives way to a restarted
+replica in a new group: it takes whole buckets while it learns, the kept engine its need-sets
+from the first refit; both end generating exactly like a fresh TP=2 engine."""
 
 from __future__ import annotations
 
@@ -24,11 +26,11 @@ TP2 = {**LLM_KWARGS, "tensor_parallel_size": 2}
 class Refitted:
     before: dict  # greedy outputs on the starting weights
     got: dict  # after the refits, of the shard engine
-    got_full: dict  # of the whole-bucket engine
-    state: dict[str, torch.Tensor]  # what the last refit sent
+    got_restarted: dict  # of the replica restarted after refit 3, after refit 5
+    state: dict[str, torch.Tensor]  # what the last refit (5) sent
     reports: list[dict]  # each shard worker's apply report
     received: dict[int, dict[int, dict]]  # version -> refit rank -> its status figures
-    hashes: dict[int, tuple[list, list]]  # version -> loaded hashes (shard, full) by TP rank
+    hashes: dict[int, tuple[list, list]]  # version -> loaded hashes per engine, by TP rank
     total_bytes: int
 
 
@@ -50,34 +52,41 @@ def refitted(tmp_path_factory) -> Refitted:
     state = {k: v.clone() for k, v in make_model("qwen3", dtype=torch.bfloat16)
              .state_dict().items()}
     shard = EngineConfig(model=start, llm_kwargs=TP2, hash_loaded=True)
-    with (LocalEngine(shard, name="shard") as engine,
-          LocalEngine(replace(shard, shard_to_shard=False), name="full") as full):
-        assert engine.num_workers() == 2
-        before = greedy(engine)
-        trainer = join_one_trainer([engine, full], state)
-        received, hashes = {}, {}
+    received, hashes = {}, {}
+
+    def refits(engines: list, versions: range) -> None:
+        trainer = join_one_trainer(engines, state)
         try:
-            for version in (1, 2, 3):  # 1 learns each worker's load map, 2-3 apply it
+            for version in versions:
                 for name, t in state.items():
                     state[name] = (t.float() * 1.25).to(t.dtype) if t.dim() > 1 else t
                 received[version] = trainer.refit(version).receivers
                 hashes[version] = tuple([r.get("loaded_hash") for r in e.apply_reports()]
-                                        for e in (engine, full))
-            assert engine.weight_version() == "3"
-            return Refitted(before, greedy(engine), greedy(full), state,
-                            engine.apply_reports(), received, hashes,
-                            trainer.sender.plan.total_bytes)
+                                        for e in engines)
         finally:
             trainer.group.destroy()
+
+    with LocalEngine(shard, name="shard") as engine:
+        assert engine.num_workers() == 2
+        before = greedy(engine)
+        with LocalEngine(replace(shard, shard_to_shard=False), name="full") as full:
+            refits([engine, full], range(1, 4))  # 1 learns each worker's map, 2-3 apply it
+        # the whole-bucket engine gives way to a restarted replica, in a new group
+        with LocalEngine(shard, name="restarted") as restarted:
+            refits([engine, restarted], range(4, 6))
+            assert engine.weight_version() == restarted.weight_version() == "5"
+            return Refitted(before, greedy(engine), greedy(restarted), state,
+                            engine.apply_reports(), received, hashes,
+                            sum(t.nbytes for t in state.values()))
 
 
 def test_verdict_local_engine_hosts_a_tp2_engine_that_refits_like_a_fresh_one(
         refitted, tmp_path):
-    path = _save(refitted.state, tmp_path / "v2")
+    path = _save(refitted.state, tmp_path / "v5")
     with LocalEngine(EngineConfig(model=path, llm_kwargs=TP2)) as fresh:
         want = greedy(fresh)
     assert refitted.got == want, "the shard TP=2 engine differs from a fresh TP=2 engine"
-    assert refitted.got_full == want, "the full TP=2 engine differs from a fresh TP=2 engine"
+    assert refitted.got_restarted == want, "the restarted engine differs from a fresh one"
     assert refitted.got["tokens"] != refitted.before["tokens"]
 
 
@@ -97,6 +106,24 @@ def test_shard_tp2_workers_take_their_half_and_load_what_whole_buckets_load(refi
         shard, full = refitted.hashes[version]
         assert None not in shard and shard == full, (version, shard, full)
     assert refitted.hashes[2][0] != refitted.hashes[3][0]  # the bytes did change
+
+
+def test_shard_a_restarted_replica_takes_whole_buckets_while_the_others_keep_their_sets(
+        refitted):
+    """Refit 4, in a new group: the kept engine (ranks 1-2) keeps its maps and need-sets, the
+    restarted replica (3-4) learns from whole buckets; refit 5: all four in two need-sets,
+    loading equal bytes per TP rank."""
+    total = refitted.total_bytes
+    got = refitted.received[4]
+    sets = {r: got[r]["need_set"] for r in got}
+    assert sets[1] != sets[2] and sets[3] == sets[4] not in (sets[1], sets[2]), sets
+    assert got[1]["wire_bytes"] <= 0.55 * total and got[3]["wire_bytes"] >= total, got
+    got = refitted.received[5]
+    sets = {r: got[r]["need_set"] for r in got}
+    assert sets[1] == sets[3] != sets[2] == sets[4], sets
+    assert all(got[r]["wire_bytes"] <= 0.55 * total for r in got), got
+    kept, restarted = refitted.hashes[5]
+    assert None not in kept and kept == restarted, refitted.hashes[5]
 
 
 def test_shard_each_tp2_worker_needs_its_own_half_of_the_bytes(refitted):

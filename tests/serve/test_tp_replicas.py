@@ -1,7 +1,9 @@
 """A `vllm serve` engine with tensor parallel 2 and two data-parallel replicas (4 workers, CPU
 mp executor + gloo) in one refit group: every worker joins with its own rank, and after a
 refit each replica generates exactly what a fresh TP2 server on the new weights generates,
-also on the later refits that each worker applies directly (its learned load map).
+also on the later refits that each worker applies directly (its learned load map) from the
+compact frames of its need-set: the workers of one TP rank across the replicas share one set
+and each receives about half of the plan's bytes (shard-to-shard).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def _greedy(engine, dp_rank: int | None = None) -> tuple[list, list]:
     return [o.tokens for o in outs], [o.logprobs for o in outs]
 
 
-def test_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_engine(checkpoints) -> None:
+def test_shard_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_engine(checkpoints) -> None:
     config = replace(serve_config(checkpoints.changed, "reference_tp2"), tensor_parallel_size=TP)
     with VllmServer(config) as fresh:
         print(f"[serve] fresh TP2 server ready in {fresh.wait_ready():.1f} s")
@@ -65,7 +67,13 @@ def test_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_engine(checkpoints
             # v1 taught every worker its load map (its own TP shard); v2 and v3 apply it
             for version, state, expected in ((2, 0, before), (3, 1, [want, want])):
                 source.tensors = checkpoints.states[state]
-                fleet.refit(lambda v=version: sender.refit(source, v), version, group=group)
+                stats = fleet.refit(lambda v=version: sender.refit(source, v), version,
+                                    group=group)
+                print(f"[serve] {stats.summary()}")
+                sets = {r: t["need_set"] for r, t in stats.receivers.items()}
+                assert sets[1] == sets[3] != sets[2] == sets[4], sets  # one set per TP rank
+                for rank, t in stats.receivers.items():
+                    assert t["wire_bytes"] <= 0.55 * stats.nbytes, (rank, t, stats.nbytes)
                 for r in range(DP):
                     assert _greedy(engine, r) == expected[r], f"v{version}: replica {r} differs"
         finally:
