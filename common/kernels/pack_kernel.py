@@ -48,6 +48,13 @@ if triton is not None:
             tl.store(here, tl.load(other + offs, mask=mask), mask=mask)
 
 
+def block_for(units: np.ndarray) -> int:
+    """A program size for slots of `units` copy units each: the power of two at or above
+    their median, between 256 and `BLOCK`."""
+    median = float(np.median(units)) if len(units) else BLOCK
+    return int(min(BLOCK, max(256, 1 << max(0, int(np.ceil(np.log2(max(median, 1))))))))
+
+
 def kernel_available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
@@ -57,8 +64,11 @@ class BufferKernel:
     slot from (`scatter=False`: the pack) or to (`scatter=True`) the address in `ptrs`."""
 
     def __init__(self, buffer: torch.Tensor, unit: int, offsets: Sequence[int],
-                 nbytes: Sequence[int], scatter: bool = False) -> None:
+                 nbytes: Sequence[int], scatter: bool = False, block: int = BLOCK) -> None:
+        """`block`: copy units per program (a power of two); slots much smaller than it
+        leave most of each program idle (`block_for`)."""
         self.unit = u = unit
+        self.block = block
         self.scatter = scatter
         dev = buffer.device
         self.buf = buffer[: buffer.numel() // u * u].view(_UNIT_DTYPES[u])
@@ -67,8 +77,8 @@ class BufferKernel:
         self.vec = 16 // u if all((base + o) % 16 == 0 and n % 16 == 0
                                   for o, n in zip(offsets, nbytes, strict=True)) else 1
         sizes = [n // u for n in nbytes]
-        slots = [i for i, n in enumerate(sizes) for _ in range(0, n, BLOCK)]
-        starts = [s for n in sizes for s in range(0, n, BLOCK)]
+        slots = [i for i, n in enumerate(sizes) for _ in range(0, n, block)]
+        starts = [s for n in sizes for s in range(0, n, block)]
         self.buf_offs = torch.tensor([o // u for o in offsets], dtype=torch.int64, device=dev)
         self.sizes = torch.tensor(sizes, dtype=torch.int64, device=dev)
         self.chunk_slot = torch.tensor(slots, dtype=torch.int32, device=dev)
@@ -110,7 +120,7 @@ class BufferKernel:
         self.ptrs.copy_(self.host_ptrs, non_blocking=True)
         _copy_chunks[(self.chunk_slot.numel(),)](
             self.ptrs, self.buf, self.buf_offs, self.sizes, self.chunk_slot, self.chunk_start,
-            BLOCK=BLOCK, VEC=vec, ALIGN=vec * self.unit, SCATTER=self.scatter)
+            BLOCK=self.block, VEC=vec, ALIGN=vec * self.unit, SCATTER=self.scatter)
 
     def _capture(self, vec: int) -> torch.cuda.CUDAGraph | None:
         """The upload and the launch as one CUDA graph (it reads the staging table when it
