@@ -3,6 +3,7 @@ file a benchmark writes (`save`), so each figure in `bench/results/` says what p
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -59,3 +60,21 @@ def save(report: dict[str, Any], out: str | os.PathLike | None) -> None:
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def finish(report: dict[str, Any], summary: dict[str, Any], out: str | os.PathLike | None) -> None:
+    """A benchmark's end: `summary` into `report`, saved (`save`), and printed as the last
+    line, one JSON object."""
+    report["summary"] = summary
+    save(report, out)
+    print(json.dumps(summary))
+
+
+def bench_args(doc: str, gpu: str) -> argparse.Namespace:
+    """The options of a benchmark with a CPU and a GPU part: --quick, --gpu (`gpu` says what
+    it runs), --out."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer runs (CPU under 5 minutes)")
+    ap.add_argument("--gpu", action="store_true", help=gpu)
+    ap.add_argument("--out", help="write the JSON report here")
+    return ap.parse_args()

@@ -16,8 +16,6 @@ copy of the same bytes. Last line: one JSON object with the figures.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -26,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from provenance import save  # beside this script
+from provenance import bench_args, finish  # beside this script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -168,11 +166,7 @@ def _cuda_time(fn, runs: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer refits (CPU under 5 minutes)")
-    ap.add_argument("--gpu", action="store_true", help="the CUDA scatter alone (no vLLM)")
-    ap.add_argument("--out", help="write the JSON report here")
-    args = ap.parse_args()
+    args = bench_args(__doc__, "the CUDA scatter alone (no vLLM)")
     if args.gpu:
         result = {"scatter": bench_scatter(20_000, 393_216, 1 << 30, 5 if args.quick else 20)}
         summary = {"scatter_over_one_copy": result["scatter"]["scatter_over_one_copy"]}
@@ -196,9 +190,7 @@ def main() -> None:
                   f"{_median(r['load_weights_s']) * 1e3:.1f} ms "
                   f"({r['load_weights_over_memcpy']:.1f}x); learning "
                   f"{r['learn_over_load_weights']:.2f}x a load_weights refit")
-    result["summary"] = summary
-    save(result, args.out)
-    print(json.dumps(summary))
+    finish(result, summary, args.out)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,6 @@ Last line: one JSON object with the figures.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -40,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from provenance import save  # beside this script
+from provenance import bench_args, finish  # beside this script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -268,20 +266,14 @@ def bench_gpu(reps: int) -> dict:
 def main() -> None:
     from safetensors.torch import load_file
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer refits (CPU under 5 minutes)")
-    ap.add_argument("--gpu", action="store_true", help="the CUDA pack vs gather alone")
-    ap.add_argument("--out", help="write the JSON report here")
-    args = ap.parse_args()
+    args = bench_args(__doc__, "the CUDA pack vs gather alone")
     if args.gpu:
         result = bench_gpu(5 if args.quick else 20)
-        result["summary"] = {"gpu_gather_over_pack": result["gather_over_pack"]}
         print(f"{result['device']}: Qwen3-8B, {result['bytes'] / 1e9:.1f} GB: pack "
               f"{result['pack_s'] * 1e3:.1f} ms, gather into 2 TP=2 need-sets "
               f"{result['gather_s'] * 1e3:.1f} ms ({result['pieces']} pieces), one copy "
               f"{result['one_copy_s'] * 1e3:.1f} ms")
-        save(result, args.out)
-        print(json.dumps(result["summary"]))
+        finish(result, {"gpu_gather_over_pack": result["gather_over_pack"]}, args.out)
         return
     refits = 4 if args.quick else 10  # timed per mode (after a learning / re-plan refit)
     with tempfile.TemporaryDirectory() as tmp:
@@ -301,17 +293,18 @@ def main() -> None:
                "sender_ratio_in_refit": tp2["sender_ratio_in_refit"],
                "replan_s": tp2["replan_s"], "bitwise_equal": tp2["bitwise_equal"],
                "planning_s_qwen3_30b_a3b": plan["planning_s"]}
-    print(f"TP=2: each worker received at most {summary['tp2_received_fraction']:.3f} of the "
-          f"plan's bytes (its map reads {summary['tp2_floor_fraction']:.3f}); TP=4 "
-          f"{summary['tp4_received_fraction']:.3f} ({summary['tp4_floor_fraction']:.3f}); "
-          f"TP=2 x 2 wire phase {summary['tp2dp2_wire_ratio']:.2f}x whole buckets, whole "
-          f"refit {summary['tp2dp2_refit_ratio']:.2f}x, sender host+pack "
-          f"{summary['sender_ratio']:.2f}x (in the refits, on the shared cores: "
-          f"{summary['sender_ratio_in_refit']:.2f}x); Qwen3-30B-A3B planning "
-          f"{plan['planning_s']:.2f} s ({plan['ranges_per_worker']} ranges per worker)")
-    result["summary"] = summary
-    save(result, args.out)
-    print(json.dumps(summary))
+    lines = [f"TP=2: each worker received at most {summary['tp2_received_fraction']:.3f} of "
+             f"the plan's bytes (its map reads {summary['tp2_floor_fraction']:.3f})",
+             f"TP=4 {summary['tp4_received_fraction']:.3f} "
+             f"({summary['tp4_floor_fraction']:.3f})",
+             f"TP=2 x 2 wire phase {summary['tp2dp2_wire_ratio']:.2f}x whole buckets",
+             f"whole refit {summary['tp2dp2_refit_ratio']:.2f}x",
+             f"sender host+pack {summary['sender_ratio']:.2f}x (in the refits, on the shared "
+             f"cores: {summary['sender_ratio_in_refit']:.2f}x)",
+             f"Qwen3-30B-A3B planning {plan['planning_s']:.2f} s "
+             f"({plan['ranges_per_worker']} ranges per worker)"]
+    print("; ".join(lines))
+    finish(result, summary, args.out)
 
 
 if __name__ == "__main__":
