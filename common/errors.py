@@ -36,4 +36,8 @@ class ConversionError(RefitError, LookupError):
 
 class NeedsRefusedError(RefitError):
     """A worker's need report does not fit the plan (raised on every rank at the re-plan at a
-    refit's start, naming the worker; nothing was sent)."""
+    refit's start, naming the worker; nothing was sent). `ranks`: the refused workers."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks

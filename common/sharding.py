@@ -71,6 +71,7 @@ class Sharding:
         self.digests = None  # until this re-plan succeeds
         needs = self._reports(digests, mine)
         self.shard, self.subgroups = None, {}
+        group.drop_subgroups()
         if any(not n.full for n in needs.values()):
             self.shard = ShardPlan(self.plan, needs)
             for s in self.shard.sets:
@@ -89,7 +90,8 @@ class Sharding:
         group, sizes = self.group, plan_bucket_bytes(self.plan)
         out: dict[int, Needs] = {}
         seen: dict[str, Needs] = {}
-        problems = []
+        whys: dict[str, str | None] = {}  # digest -> why its report is refused
+        refused = []
         for rank in range(group.num_trainers, group.world_size):
             digest = digests[rank]
             if not digest:
@@ -99,16 +101,18 @@ class Sharding:
                 text = group.broadcast_bytes(mine.to_json().encode() if rank == group.rank
                                              else None, rank, f"needs of rank {rank}")
                 seen[digest] = Needs.from_json(text.decode())
-                why = seen[digest].problem(sizes)
-                if why is None and seen[digest].digest != digest:
-                    why = "its report does not match its digest"
-                if why is not None:
-                    problems.append(f"refit rank {rank}{_who(group, rank)}: {why}")
+                whys[digest] = seen[digest].problem(sizes) or (
+                    "its report does not match its digest" if seen[digest].digest != digest
+                    else None)
+            if whys[digest] is not None:
+                refused.append(rank)
             out[rank] = seen[digest]
-        if problems:
+        if refused:
+            lines = "; ".join(f"refit rank {r}{_who(group, r)}: {whys[digests[r]]}"
+                              for r in refused)
             raise NeedsRefusedError(f"{group.label}: the re-plan refused need reports that do "
-                                    f"not fit plan {self.plan.digest[:12]}: "
-                                    f"{'; '.join(problems)}; {NOTHING_LOADED}")
+                                    f"not fit plan {self.plan.digest[:12]}: {lines}; "
+                                    f"{NOTHING_LOADED}", tuple(refused))
         return out
 
     def routes(self, bucket: Bucket) -> list[Route]:

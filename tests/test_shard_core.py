@@ -24,7 +24,7 @@ from common.shard_plan import Gather
 from common.source import DictWeightSource
 from common.wire.group import RefitGroup
 from recipes.rank_runner import run_ranks
-from tests.multiproc import expect_ok, outcome
+from tests.multiproc import expect_ok
 from tests.test_roundtrip import make_tensors
 
 TRAINERS, WORLD = 2, 6
@@ -145,14 +145,18 @@ def test_shard_frames_reach_each_need_set_bit_for_bit() -> None:
     assert res[0][2][2] == (0, res[2][2]["wire"]) and res[0][3][5][0] == 0
 
 
-def refused_rank(rank: int, world: int, port: int) -> tuple[str, str]:
-    return outcome(lambda: shard_rank(rank, world, port, refused=True))
+def refused_rank(rank: int, world: int, port: int) -> tuple[str, str, list[int]]:
+    try:
+        shard_rank(rank, world, port, refused=True)
+    except NeedsRefusedError as e:
+        return type(e).__name__, str(e), list(e.ranks)
+    return "ok", "", []
 
 
 def test_shard_need_report_outside_the_plan_is_refused_naming_the_worker() -> None:
     seen = expect_ok(run_ranks(refused_rank, WORLD))
-    for rank, (kind, message) in seen.items():
-        assert kind == NeedsRefusedError.__name__, (rank, kind, message)
+    for rank, (kind, message, ranks) in seen.items():
+        assert kind == NeedsRefusedError.__name__ and ranks == [3], (rank, kind, message)
         assert "refit rank 3" in message and "is not in the plan" in message, message
         assert "nothing of it was loaded" in message
 

@@ -40,6 +40,7 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 
 from common.broadcast import RefitReceiver
 from common.checkpoint import checkpoint_tensors, plan_problems
+from common.errors import NeedsRefusedError
 from common.in_vllm import loaded_hash
 from common.in_vllm.apply import DirectLoad, learn
 from common.in_vllm.load_map import CopyRecorder
@@ -219,6 +220,12 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         try:
             stats = receiver.receive(on_bucket, on_done=finalize, version=version,
                                      on_compact=on_compact)
+        except NeedsRefusedError as e:
+            if receiver.group.rank in e.ranks:  # relearn from whole buckets
+                log.error("%s: the trainers refused this worker's needs; dropping its load "
+                          "map (the next refit relearns it)", receiver.group.label)
+                self.direct, self.apply_report = None, {"path": _apply_mode()}
+            raise
         finally:
             if recorder is not None:
                 recorder.close()

@@ -6,7 +6,10 @@ reaches every rank inside the same collective that would have carried the bucket
 payload's checksum where the sender computed one (`common.wire.checksum`). Frames of one bucket
 differ by receiver (`common.shard_plan`): the header says which need-set a frame is for, its
 kind (the whole bucket, or compact: only the set's ranges) and its payload's size, which each
-receiver knows before it posts the frame (from the re-plan), and checks.
+receiver knows before it posts the frame (from the re-plan), and checks. A payload whose size
+only the sender knows, and only once it has encoded it (a delta), travels like a direct
+bucket today: its header as a fixed-size broadcast of its own, posted N frames ahead, then
+the payload, whose receive is posted as soon as its header has landed.
 """
 
 from __future__ import annotations

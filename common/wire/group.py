@@ -122,6 +122,13 @@ class RefitGroup(Transport):
         self._subgroups.append(pg)
         return pg
 
+    def drop_subgroups(self) -> None:
+        old, self._subgroups = self._subgroups, []
+        if self.backend == "nccl":  # a communicator's resources go with it, not with the GC
+            for pg in old:
+                with contextlib.suppress(Exception):
+                    pg.abort()
+
     def _broadcast(self, tensor: torch.Tensor, src: int, handle: object = None) -> dist.Work:
         opts = dist.BroadcastOptions()
         opts.rootRank = src

@@ -145,6 +145,9 @@ class Transport(ABC):
         """The backend group of `ranks` (see `subgroup`), where `supports_subgroups`."""
         raise NotImplementedError(f"{type(self).__name__} has no subgroups")
 
+    def drop_subgroups(self) -> None:  # noqa: B027 - without subgroups there is none to drop
+        """Release every subgroup built so far (a re-plan: nothing is pending in them)."""
+
     @abstractmethod
     def _wait_for(self, work: Any, deadline: float) -> None:
         """Return once `work` is done; raise `Abandoned` if `_read_abort` says so, or

@@ -76,7 +76,7 @@ def test_direct_refits_equal_load_weights_bit_for_bit(pair) -> None:
     assert share >= 0.9, f"{arch}: only {share:.1%} of the bytes applied directly: {report}"
     if arch != "deepseek_v3":  # its fp32 router bias is loaded into a live tensor: loaders
         assert report["fallback_tensors"] == 0, report
-    assert engines[1].apply_reports() == [{"path": "load_weights"}]
+    assert engines[1].apply_reports() == [{"path": "load_weights", "needs_reported": False}]
 
 
 def test_a_direct_refit_failing_midway_refuses_to_serve_until_one_lands(pair) -> None:
@@ -107,10 +107,11 @@ def test_verify_passes_on_the_weights_the_engines_hold_and_names_a_param_they_do
     version = int(engines[0].weight_version())
     send = lambda: trainer.sender.refit(trainer.source, version)  # noqa: E731
     trainer.fleet.refit(send, version, verify=True, group=trainer.group)
+    emptied = len(vllm_layout(state)) - len(engines[0].read())  # CPU kernels empty some
     for engine in engines:
         (report,) = engine.apply_reports()
         assert report["last_verify"]["differ"] == 0 and report["last_verify"]["compared"] >= 4
-        assert report["last_verify"]["unreadable"] > 0, report  # the CPU-packed linears
+        assert (report["last_verify"]["unreadable"] > 0) == (emptied > 0), (report, emptied)
     norm = next(n for n in state if n.endswith("norm.weight"))
     state[norm] = state[norm] * 2
     with pytest.raises(RefitError, match=f"(?s)verify v{version}: 1 of .*{re.escape(norm)}"):

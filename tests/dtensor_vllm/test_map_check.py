@@ -107,5 +107,7 @@ def test_the_map_is_checked_against_the_loaders_and_dropped_when_it_differs(tmp_
         assert "differ" in report["map_rejected"] and "norm" in report["map_rejected"], report
     else:
         assert report["path"] == "direct" and report["verified"] >= 4, report
-        assert report["unreadable"] > 0, "CPU kernels empty the linear weights: counted"
+        # CPU kernels empty some params (AVX-512: every bf16 linear; AVX2: fewer): counted
+        emptied = len(vllm_layout(state)) - len(got["params"])
+        assert (report["unreadable"] > 0) == (emptied > 0), (report, emptied)
         assert report["processed"] > 0, "the processed layers' inputs were compared"
