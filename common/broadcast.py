@@ -87,7 +87,7 @@ class RefitSender(Endpoint):
         plan, group = self.plan, self.group
         stats = RefitStats(version, len(plan.buckets), plan.total_bytes)
         t0 = time.perf_counter()
-        self.agree_on_needs(None)
+        self.agree_on_needs(None, f"refit v{version}")
         stats.replan_s = time.perf_counter() - t0
         routes = [self.sharding.routes(b) for b in plan.buckets]
         it: Iterator | None = iter(source.iter_tensors(plan))
@@ -250,7 +250,7 @@ class RefitReceiver(Endpoint):
         """
         stats = RefitStats(-1, len(self.plan.buckets), self.plan.total_bytes, role="receiver")
         t0 = time.perf_counter()
-        self.agree_on_needs(self.needs)
+        self.agree_on_needs(self.needs, "refit" if version is None else f"refit v{version}")
         stats.replan_s = time.perf_counter() - t0
         frames = [(b, r) for b in self.plan.buckets for r in self.sharding.routes(b)]
         my_set = self.sharding.my_set()

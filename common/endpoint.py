@@ -45,10 +45,10 @@ class Endpoint:
         self.compact: dict[int, CompactBuffers] = {}  # compact set -> its frame buffers
         self._replans = 0
 
-    def agree_on_needs(self, needs: Needs | None) -> None:
+    def agree_on_needs(self, needs: Needs | None, what: str) -> None:
         """The refit's first exchange (`Sharding.agree`); after a re-plan, the compact sets'
         frame buffers this rank takes part in."""
-        self.sharding.agree(needs)
+        self.sharding.agree(needs, what)
         if self.sharding.replans == self._replans:
             return
         self._replans, self.compact, shard = self.sharding.replans, {}, self.sharding.shard

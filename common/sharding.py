@@ -58,18 +58,19 @@ class Sharding:
         self.subgroups: dict[int, Subgroup | None] = {}  # set index -> its subgroup
         self.replans = 0
 
-    def agree(self, mine: Needs | None) -> None:
-        """Every rank, at a refit's start: this rank's needs (None: whole buckets)."""
+    def agree(self, mine: Needs | None, what: str = "refit") -> None:
+        """Every rank, at a refit's start (`what`, e.g. "refit v3", names it in errors): this
+        rank's needs (None: whole buckets)."""
         if not self.enabled:
             return
         group = self.group
         digest = "" if mine is None or mine.full else mine.digest
-        raw = group.all_gather_bytes(digest.encode(), DIGEST_BYTES, "needs digests")
+        raw = group.all_gather_bytes(digest.encode(), DIGEST_BYTES, f"{what} needs digests")
         digests = [d.decode() for d in raw]
         if digests == self.digests:
             return
         self.digests = None  # until this re-plan succeeds
-        needs = self._reports(digests, mine)
+        needs = self._reports(digests, mine, what)
         self.shard, self.subgroups = None, {}
         group.drop_subgroups()
         if any(not n.full for n in needs.values()):
@@ -84,7 +85,8 @@ class Sharding:
             log.info("%s: re-planned need-sets: %s", group.label,
                      self.shard.describe() if self.shard else "every worker takes whole buckets")
 
-    def _reports(self, digests: list[str], mine: Needs | None) -> dict[int, Needs]:
+    def _reports(self, digests: list[str], mine: Needs | None,
+                 what: str) -> dict[int, Needs]:
         """Every receiver's needs: each distinct report broadcast by its first rank, checked
         against the plan on every rank (the same verdict everywhere)."""
         group, sizes = self.group, plan_bucket_bytes(self.plan)
@@ -99,7 +101,7 @@ class Sharding:
                 continue
             if digest not in seen:
                 text = group.broadcast_bytes(mine.to_json().encode() if rank == group.rank
-                                             else None, rank, f"needs of rank {rank}")
+                                             else None, rank, f"{what} needs of rank {rank}")
                 seen[digest] = Needs.from_json(text.decode())
                 whys[digest] = seen[digest].problem(sizes) or (
                     "its report does not match its digest" if seen[digest].digest != digest

@@ -6,7 +6,8 @@ import torch
 
 
 def vllm_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The HF state dict in vLLM's own stacked layout (qkv_proj, gate_up_proj)."""
+    """The HF state dict in vLLM's own stacked layout (qkv_proj, gate_up_proj, MLA's
+    fused_qkv_a_proj)."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for name, t in state.items():
@@ -18,10 +19,16 @@ def vllm_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             k, v = state[name.replace(".q_proj.", ".k_proj.")], state[name.replace(".q_proj.",
                                                                                    ".v_proj.")]
             out[name.replace(".q_proj.", ".qkv_proj.")] = torch.cat([t, k, v])
+        elif ".q_a_proj." in name:  # MLA with a q LoRA: fused_qkv_a_proj = [q_a; kv_a]
+            kv_a = state[name.replace(".q_a_proj.", ".kv_a_proj_with_mqa.")]
+            out[name.replace(".q_a_proj.", ".fused_qkv_a_proj.")] = torch.cat([t, kv_a])
         elif ".gate_proj." in name and ".experts." not in name:
             up = state[name.replace(".gate_proj.", ".up_proj.")]
             out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat([t, up])
-        elif not any(p in name for p in (".k_proj.", ".v_proj.", ".up_proj.")):
+        elif not any(p in name for p in (".k_proj.", ".v_proj.", ".up_proj.",
+                                         ".kv_a_proj_with_mqa.")) or (
+                ".kv_a_proj_with_mqa." in name
+                and name.replace(".kv_a_proj_with_mqa.", ".q_a_proj.") not in state):
             out[name] = t
     for prefix, projs in experts.items():
         ids = sorted(projs["gate_proj"])
