@@ -1,0 +1,135 @@
+"""Lossless deltas of a payload against the bytes a receiver already holds (its base).
+
+A delta compares the new bytes with the base in 2-byte words, bit for bit (exact for bf16,
+fp16 and fp32 alike: a changed fp32 element is one or two changed words), and carries a
+bitmask of the changed words plus their new values, in order:
+
+    [preamble 64 B | bitmask: one bit per word, padded to 16 B | values: 2 B per changed word]
+
+The preamble says which version the delta applies on top of, how many payload bytes it
+rebuilds, how many words changed and, for an odd length, the last byte. `encode` returns None
+where the delta would not be smaller than the payload (the payload then goes whole). `apply`
+checks everything it can before it writes a byte: the preamble, the sizes, the base version
+and that the bitmask marks exactly as many words as there are values; a malformed or
+truncated delta is refused with the reason (`DeltaError`) and the target is untouched.
+Torch ops on CPU, Triton kernels on CUDA (`common.kernels.delta_kernel`), the same format:
+one host sync per payload (its changed-word count), none per tensor.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from common.errors import RefitError
+from common.kernels import delta_kernel
+
+MAGIC = 0x4C444652  # "RFDL"
+FORMAT = 1
+PREAMBLE_BYTES = 64
+_PREAMBLE = struct.Struct("<IIqQQQI")  # magic, format, base version, nbytes, changed, mask, tail
+_SHIFTS = {}  # device -> the 8 bit positions, as uint8
+
+
+class DeltaError(RefitError):
+    """A delta that cannot apply to its target (the reason says what); nothing was written."""
+
+
+def _align16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def delta_bytes(nbytes: int, changed: int) -> int:
+    """The size of a delta of a `nbytes` payload with `changed` changed words."""
+    return PREAMBLE_BYTES + _align16(-(-(nbytes // 2) // 8)) + 2 * changed
+
+
+def _words(raw: torch.Tensor) -> torch.Tensor:
+    return raw[: raw.numel() // 2 * 2].view(torch.int16)
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    if device not in _SHIFTS:
+        _SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
+    return _SHIFTS[device]
+
+
+def encode(new: torch.Tensor, base: torch.Tensor, base_version: int) -> torch.Tensor | None:
+    """The delta turning `base` into `new` (equal-length uint8 tensors on one device), or
+    None if it would not be smaller than `new`."""
+    if new.shape != base.shape or new.dtype != torch.uint8 or base.dtype != torch.uint8:
+        raise ValueError(f"delta of {tuple(new.shape)} {new.dtype} against "
+                         f"{tuple(base.shape)} {base.dtype}: uint8 tensors of one length")
+    n = new.numel()
+    mask_bytes = -(-(n // 2) // 8)
+    mask, values = _compare(_words(new), _words(base), mask_bytes)
+    changed = values.numel()
+    size = delta_bytes(n, changed)
+    if size >= n:
+        return None
+    out = torch.zeros(size, dtype=torch.uint8, device=new.device)
+    out[PREAMBLE_BYTES : PREAMBLE_BYTES + mask_bytes] = mask
+    out[size - 2 * changed :] = values.view(torch.uint8)
+    tail = int(new[-1]) if n % 2 else 0
+    head = _PREAMBLE.pack(MAGIC, FORMAT, base_version, n, changed, mask_bytes, tail)
+    out[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(new.device)
+    return out
+
+
+def _compare(new: torch.Tensor, base: torch.Tensor,
+             mask_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the bitmask of the words that differ, their new values in order)."""
+    mask = torch.zeros(mask_bytes, dtype=torch.uint8, device=new.device)
+    if delta_kernel.available(new.device):
+        return mask, delta_kernel.compare(new, base, mask)[0]
+    diff = new != base
+    bits = torch.zeros(mask_bytes * 8, dtype=torch.uint8, device=new.device)
+    bits[: diff.numel()] = diff
+    mask = (bits.view(-1, 8) << _shifts(new.device)).sum(1, dtype=torch.uint8)
+    return mask, torch.masked_select(new, diff)  # the one host sync: its length
+
+
+def read_preamble(delta: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(base version, payload bytes, changed words, bitmask bytes, tail byte) of a delta."""
+    if delta.numel() < PREAMBLE_BYTES:
+        raise DeltaError(f"a delta of {delta.numel()} bytes is shorter than its preamble")
+    raw = delta[: _PREAMBLE.size].cpu().numpy().tobytes()
+    magic, fmt, base, nbytes, changed, mask_bytes, tail = _PREAMBLE.unpack(raw)
+    if magic != MAGIC or fmt != FORMAT:
+        raise DeltaError(f"not a refit delta (magic {magic:#x}, format {fmt})")
+    return base, nbytes, changed, mask_bytes, tail
+
+
+def apply(delta: torch.Tensor, target: torch.Tensor, base_version: int) -> int:
+    """Rebuild the new payload in `target` (the base, uint8, same device) in place; returns
+    the number of changed words. Every check comes before the first write."""
+    base, nbytes, changed, mask_bytes, tail = read_preamble(delta)
+    where = f"a delta on v{base} of {nbytes} bytes"
+    if base != base_version:
+        raise DeltaError(f"{where} cannot apply: this receiver holds v{base_version}")
+    if nbytes != target.numel() or target.dtype != torch.uint8:
+        raise DeltaError(f"{where} cannot apply to a target of {target.numel()} bytes")
+    words = nbytes // 2
+    if mask_bytes != -(-words // 8) or delta.numel() != delta_bytes(nbytes, changed):
+        raise DeltaError(f"{where} is malformed or truncated: {delta.numel()} bytes for "
+                         f"{changed} changed words and a {mask_bytes}-byte bitmask")
+    mask = delta[PREAMBLE_BYTES : PREAMBLE_BYTES + mask_bytes]
+    values = delta[delta.numel() - 2 * changed :].view(torch.int16)
+    beyond = int(mask[-1]) >> (words % 8) if words % 8 else 0  # marks past the last word
+    if delta_kernel.available(delta.device):
+        firsts, marked = delta_kernel.count(mask, words)
+        if marked == changed and not beyond:
+            delta_kernel.rebuild(_words(target), mask, firsts, values)
+    else:
+        bits = ((mask.view(-1, 1) >> _shifts(delta.device)) & 1).view(-1)[:words].bool()
+        marked = int(bits.sum())
+        if marked == changed and not beyond:
+            _words(target).masked_scatter_(bits, values)
+    if marked != changed or beyond:
+        past = " (and bits past the end)" if beyond else ""
+        raise DeltaError(f"{where} is malformed: its bitmask marks {marked} words{past} for "
+                         f"{changed} values")
+    if nbytes % 2:
+        target[-1] = tail
+    return changed
