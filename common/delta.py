@@ -12,8 +12,9 @@ where the delta would not be smaller than the payload (the payload then goes who
 checks everything it can before it writes a byte: the preamble, the sizes, the base version
 and that the bitmask marks exactly as many words as there are values; a malformed or
 truncated delta is refused with the reason (`DeltaError`) and the target is untouched.
-Torch ops on CPU, Triton kernels on CUDA (`common.kernels.delta_kernel`), the same format:
-one host sync per payload (its changed-word count), none per tensor.
+One pass of C++ over the words on CPU (`common.kernels.native`; torch ops where it is not
+built), Triton kernels on CUDA (`common.kernels.delta_kernel`), the same format: one host
+sync per payload (its changed-word count), none per tensor.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import struct
 import torch
 
 from common.errors import RefitError
-from common.kernels import delta_kernel
+from common.kernels import delta_kernel, native
 
 MAGIC = 0x4C444652  # "RFDL"
 FORMAT = 1
@@ -83,6 +84,10 @@ def _compare(new: torch.Tensor, base: torch.Tensor,
     mask = torch.zeros(mask_bytes, dtype=torch.uint8, device=new.device)
     if delta_kernel.available(new.device):
         return mask, delta_kernel.compare(new, base, mask)[0]
+    if new.device.type == "cpu" and (module := native.load()):
+        values = torch.empty(module.delta_mask(new, base, mask), dtype=torch.int16)
+        module.delta_gather(new, mask, values)
+        return mask, values
     diff = new != base
     bits = torch.zeros(mask_bytes * 8, dtype=torch.uint8, device=new.device)
     bits[: diff.numel()] = diff
@@ -121,6 +126,10 @@ def apply(delta: torch.Tensor, target: torch.Tensor, base_version: int) -> int:
         firsts, marked = delta_kernel.count(mask, words)
         if marked == changed and not beyond:
             delta_kernel.rebuild(_words(target), mask, firsts, values)
+    elif delta.device.type == "cpu" and (module := native.load()):
+        marked = module.delta_count(mask)
+        if marked == changed and not beyond:
+            module.delta_scatter(_words(target), mask, values)
     else:
         bits = ((mask.view(-1, 1) >> _shifts(delta.device)) & 1).view(-1)[:words].bool()
         marked = int(bits.sum())

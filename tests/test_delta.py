@@ -1,5 +1,6 @@
 """`common.delta`: lossless deltas rebuild every byte, go whole when not smaller, and refuse a
-delta that cannot apply before writing anything (CPU; CUDA where present)."""
+delta that cannot apply before writing anything (CPU: the native loop and, "cpu-torch", the
+torch ops used where it is not built; CUDA where present)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,17 @@ import pytest
 import torch
 
 from common.delta import PREAMBLE_BYTES, DeltaError, apply, delta_bytes, encode
+from common.kernels import native
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", "cpu-torch"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, monkeypatch) -> str:
+    if request.param == "cpu-torch":
+        monkeypatch.setattr(native, "load", lambda: None)
+        return "cpu"
+    return request.param
 
 
 def payload(seed: int, device: str) -> torch.Tensor:
@@ -36,7 +46,6 @@ def perturbed(base: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
     return new
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fraction", [0.0, 0.03, 0.2])
 def test_delta_rebuilds_every_byte_and_is_sized_by_its_changed_words(device, fraction):
     base = payload(0, device)
@@ -50,13 +59,11 @@ def test_delta_rebuilds_every_byte_and_is_sized_by_its_changed_words(device, fra
     assert torch.equal(target, new)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_delta_of_a_mostly_changed_payload_goes_whole(device):
     base = payload(0, device)
     assert encode(perturbed(base, 0.99, 2), base, base_version=1) is None
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_delta_that_cannot_apply_is_refused_before_a_byte_is_written(device):
     base = payload(0, device)
     delta = encode(perturbed(base, 0.03, 3), base, base_version=4)

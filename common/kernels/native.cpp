@@ -100,3 +100,66 @@ void copy_bytes(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& 
     if (n[i] > 0)
       std::memcpy(reinterpret_cast<void*>(d[i]), reinterpret_cast<const void*>(s[i]), n[i]);
 }
+
+// The delta codec on the CPU (common/delta.py): 2-byte words of the new payload against its
+// base. `delta_mask` writes the bitmask of the words that differ (bit j of byte k: word
+// 8k + j) and returns their count; `delta_gather` stores those words in order; `delta_count`
+// counts a bitmask's marks; `delta_scatter` writes the values back at the marked words.
+int64_t delta_mask(const at::Tensor& now, const at::Tensor& base, const at::Tensor& mask) {
+  const int16_t* a = now.data_ptr<int16_t>();
+  const int16_t* b = base.data_ptr<int16_t>();
+  uint8_t* m = mask.data_ptr<uint8_t>();
+  const int64_t n = now.numel();
+  TORCH_CHECK(base.numel() == n && mask.numel() == (n + 7) / 8, "delta_mask: sizes differ");
+  py::gil_scoped_release no_gil;
+  int64_t changed = 0;
+  for (int64_t i = 0; i < n; i += 8) {
+    uint8_t byte = 0;
+    if (i + 8 <= n && std::memcmp(a + i, b + i, 16) == 0) {
+      m[i / 8] = 0;
+      continue;
+    }
+    const int64_t end = std::min<int64_t>(i + 8, n);
+    for (int64_t j = i; j < end; ++j)
+      byte |= static_cast<uint8_t>(a[j] != b[j]) << (j - i);
+    m[i / 8] = byte;
+    changed += __builtin_popcount(byte);
+  }
+  return changed;
+}
+
+void delta_gather(const at::Tensor& now, const at::Tensor& mask, const at::Tensor& values) {
+  const int16_t* a = now.data_ptr<int16_t>();
+  const uint8_t* m = mask.data_ptr<uint8_t>();
+  int16_t* v = values.data_ptr<int16_t>();
+  const int64_t bytes = mask.numel(), count = values.numel();
+  py::gil_scoped_release no_gil;
+  int64_t k = 0;
+  for (int64_t i = 0; i < bytes && k < count; ++i)
+    for (unsigned byte = m[i]; byte && k < count; byte &= byte - 1)
+      v[k++] = a[i * 8 + __builtin_ctz(byte)];
+}
+
+int64_t delta_count(const at::Tensor& mask) {
+  const uint8_t* m = mask.data_ptr<uint8_t>();
+  const int64_t bytes = mask.numel();
+  py::gil_scoped_release no_gil;
+  int64_t marked = 0;
+  for (int64_t i = 0; i < bytes; ++i) marked += __builtin_popcount(m[i]);
+  return marked;
+}
+
+void delta_scatter(const at::Tensor& target, const at::Tensor& mask, const at::Tensor& values) {
+  int16_t* t = target.data_ptr<int16_t>();
+  const uint8_t* m = mask.data_ptr<uint8_t>();
+  const int16_t* v = values.data_ptr<int16_t>();
+  const int64_t bytes = mask.numel(), count = values.numel(), n = target.numel();
+  TORCH_CHECK(bytes == (n + 7) / 8, "delta_scatter: the bitmask does not fit the target");
+  py::gil_scoped_release no_gil;
+  int64_t k = 0;
+  for (int64_t i = 0; i < bytes && k < count; ++i)
+    for (unsigned byte = m[i]; byte && k < count; byte &= byte - 1) {
+      const int64_t w = i * 8 + __builtin_ctz(byte);
+      if (w < n) t[w] = v[k++];
+    }
+}

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 _SOURCE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.cpp")
 _NAME = "refit_native"
-_FUNCTIONS = ["scalar_type", "take", "copy_bytes"]
+_FUNCTIONS = ["scalar_type", "take", "copy_bytes", "delta_mask", "delta_gather", "delta_count",
+              "delta_scatter"]
 
 _module: ModuleType | None = None
 _tried = False
