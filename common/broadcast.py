@@ -153,7 +153,8 @@ class RefitSender(Endpoint):
         if route.set_index >= 0:
             what += f" to need-set {route.set_index}"
         direct = bucket.direct and route.gather is None
-        payload = None
+        # The header leads the frame's own buffer, or has a buffer of its own (direct).
+        wire, payload = (self.headers[slot], None) if direct else self.frame(bucket, route, slot)
         if is_src and error is None:
             try:  # a failing pack (device, memory) becomes an ABORT like any other error
                 if direct:
@@ -165,8 +166,6 @@ class RefitSender(Endpoint):
                     self.layouts[bucket.index].pack(tensors, ptrs)
             except Exception as e:  # noqa: BLE001 - reported to every rank
                 error = RefitError(f"{group.label}: packing {what} failed: {e}")
-        # The header leads the frame's own buffer, or has a buffer of its own (direct).
-        wire = self.headers[slot] if direct else self.frame(bucket, route, slot)[0]
         row = table[0][table[1][bucket.index, route.set_index]]
         if is_src and error is not None:
             wire[:HEADER_BYTES].copy_(self.header(bucket, version, error, route).encode())
@@ -175,7 +174,7 @@ class RefitSender(Endpoint):
         elif is_src:
             wire[:HEADER_BYTES].copy_(row, non_blocking=True)
         if is_src and error is None and self.checksums:
-            checksum.stamp(wire, payload if direct else self.frame(bucket, route, slot)[1])
+            checksum.stamp(wire, payload)
         if not direct:
             return [(group.broadcast(wire, src, sub), what)], None, error
         if payload is None:  # not the source, or aborting: bytes to receive / discard

@@ -98,7 +98,3 @@ class ShardPlan:
             parts.append(f"set {s.index} ranks {list(s.ranks)}: {what}")
         return "; ".join(parts)
 
-
-def plan_bucket_bytes(plan: RefitPlan) -> list[int]:
-    """Each bucket's payload bytes from its first tensor (what needs are checked against)."""
-    return [b.nbytes for b in plan.buckets]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from common.errors import NOTHING_LOADED, NeedsRefusedError
 from common.needs import Needs
 from common.plan import Bucket, RefitPlan
-from common.shard_plan import COMPACT, FULL, Gather, NeedSet, ShardPlan, plan_bucket_bytes
+from common.shard_plan import COMPACT, FULL, Gather, NeedSet, ShardPlan
 from common.wire.transport import Subgroup, Transport
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class Sharding:
                  what: str) -> dict[int, Needs]:
         """Every receiver's needs: each distinct report broadcast by its first rank, checked
         against the plan on every rank (the same verdict everywhere)."""
-        group, sizes = self.group, plan_bucket_bytes(self.plan)
+        group, sizes = self.group, [b.nbytes for b in self.plan.buckets]
         out: dict[int, Needs] = {}
         seen: dict[str, Needs] = {}
         whys: dict[str, str | None] = {}  # digest -> why its report is refused

@@ -177,15 +177,10 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         receiver, model, loaded = self.receiver, self.model, set()
         direct, recorder = self._pick_path()
         self._report_needs()
-        if direct is not None:
-            direct.hashes = loaded_hash.LoadedHashes() if loaded_hash.enabled() else None
         kept = Kept(model) if recorder and _verify_map() else None
         watch = recorder if recorder is not None else contextlib.nullcontext()
         t0 = time.perf_counter()
-        if direct is not None:
-            direct.begin()
-        else:
-            initialize_layerwise_reload(model)
+        self._open_reload(direct)
         finalized = False
 
         def on_bucket(items: list[tuple[str, torch.Tensor]]) -> None:
@@ -221,24 +216,41 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             stats = receiver.receive(on_bucket, on_done=finalize, version=version,
                                      on_compact=on_compact)
         except NeedsRefusedError as e:
-            if receiver.group.rank in e.ranks:  # relearn from whole buckets
-                log.error("%s: the trainers refused this worker's needs; dropping its load "
-                          "map (the next refit relearns it)", receiver.group.label)
-                self.direct, self.apply_report = None, {"path": _apply_mode()}
+            self._drop_refused_map(e)
             raise
         finally:
-            if recorder is not None:
-                recorder.close()
-            if kept is not None:
-                kept.close()
+            for watcher in (recorder, kept):
+                if watcher is not None:
+                    watcher.close()
             if not finalized:  # the group failed mid-refit: close the reload session anyway
-                try:
-                    finalize_layerwise_reload(model, self.model_config)
-                    self.fixes.after_load(loaded)
-                except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
-                    log.exception("closing the reload session of failed refit v%d", version)
+                self._close_reload(loaded, version)
         self.last_version, self.landed = version, True
         self._report_landed(version, direct, stats, t0)
+
+    def _open_reload(self, direct: DirectLoad | None) -> None:
+        """vLLM's reload for this refit: the learned map's layers (hashing what they load
+        when asked), or every layer for `load_weights`."""
+        if direct is None:
+            initialize_layerwise_reload(self.model)
+            return
+        direct.hashes = loaded_hash.LoadedHashes() if loaded_hash.enabled() else None
+        direct.begin()
+
+    def _close_reload(self, loaded: set[str], version: int) -> None:
+        """Close the reload session of a refit that failed before its own finalisation."""
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+            self.fixes.after_load(loaded)
+        except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
+            log.exception("closing the reload session of failed refit v%d", version)
+
+    def _drop_refused_map(self, error: NeedsRefusedError) -> None:
+        """The trainers refused this worker's needs: drop its map, so the next refit takes
+        whole buckets and relearns it."""
+        if self.receiver.group.rank in error.ranks:
+            log.error("%s: the trainers refused this worker's needs; dropping its load map "
+                      "(the next refit relearns it)", self.receiver.group.label)
+            self.direct, self.apply_report = None, {"path": _apply_mode()}
 
     def _report_needs(self) -> None:
         """What this worker reads of each bucket, for the refits to come: its learned map's

@@ -117,6 +117,7 @@ class RefitGroup(Transport):
     supports_subgroups = True
 
     def _new_subgroup(self, ranks: tuple[int, ...], key: str) -> object:
+        """The backend group of `ranks` (`Transport.subgroup`)."""
         pg = self._backend_group(dist.PrefixStore(f"sub/{key}/", self._data_store),
                                  ranks.index(self.rank), len(ranks))
         self._subgroups.append(pg)

@@ -118,6 +118,8 @@ class Transport(ABC):
         """A subgroup of `ranks` (this rank among them), built by those ranks alone, in the
         same order of keys on each; None when `ranks` is the whole group (use the group)."""
         ranks = tuple(sorted(ranks))
+        if not self.supports_subgroups:
+            raise ValueError(f"{type(self).__name__} has no subgroups")
         if self.rank not in ranks:
             raise ValueError(f"{self.label} is not in subgroup {key} {list(ranks)}")
         if len(ranks) == self.world_size:
@@ -140,10 +142,6 @@ class Transport(ABC):
     def _broadcast(self, tensor: torch.Tensor, src: int, handle: Any = None) -> Any:
         """Start broadcasting `tensor` from rank `src` (of subgroup `handle`, if given); a
         handle for `wait`."""
-
-    def _new_subgroup(self, ranks: tuple[int, ...], key: str) -> Any:
-        """The backend group of `ranks` (see `subgroup`), where `supports_subgroups`."""
-        raise NotImplementedError(f"{type(self).__name__} has no subgroups")
 
     def drop_subgroups(self) -> None:  # noqa: B027 - without subgroups there is none to drop
         """Release every subgroup built so far (a re-plan: nothing is pending in them)."""
