@@ -68,10 +68,10 @@ def receiver_class():
     class FlippingReceiver(RefitReceiver):
         flip_bucket = -1
 
-        def _verify(self, bucket, header, target, stats):
+        def verify_bytes(self, bucket, header, payload, *args, **kwargs):
             if bucket.index == self.flip_bucket:
-                (target if bucket.direct else self.payload(bucket))[-1] ^= 0xFF
-            return super()._verify(bucket, header, target, stats)
+                payload[-1] ^= 0xFF
+            return super().verify_bytes(bucket, header, payload, *args, **kwargs)
 
     return FlippingReceiver
 

@@ -25,7 +25,11 @@ _ENV = {
     "direct_bytes": ("REFIT_DIRECT_BYTES", int),
     "checksum": ("REFIT_CHECKSUM", boolean),
     "shard_to_shard": ("REFIT_SHARD_TO_SHARD", boolean),
+    "delta": ("REFIT_DELTA", boolean),
+    "undo_bytes": ("REFIT_UNDO_BYTES", int),
+    "shadow": ("REFIT_SHADOW", str),
 }
+SHADOW_PLACES = ("device", "host")
 
 
 class RefitConfigError(RefitError, ValueError):
@@ -54,6 +58,20 @@ class RefitConfig:
         it reads, and from the next refit on each bucket reaches it as a compact frame of
         those bytes alone, over a subgroup of the workers with equal needs
         (`common.shard_plan`); off: every worker receives every byte.
+    delta: each trainer keeps the bytes it last sent (its shadow) and each engine worker the
+        bytes it last loaded (its base); a refit then sends, per frame, only the 2-byte words
+        that changed (`common.delta`), or the whole frame where that is not smaller, and goes
+        whole to a need-set whose members do not all hold the trainers' base
+        (`common.delta_frames`). Costs each trainer a copy of the frames it sources and each
+        worker a copy of what it receives.
+    undo_bytes: each engine worker's undo log: before a refit overwrites its base it keeps
+        what it replaces (a delta frame: the delta; a whole frame: the old bytes) up to this
+        many bytes, so a refit that fails anywhere is rolled back and the engine keeps serving
+        the last complete version (`common.delta_store`); 0: no undo log (a failed refit
+        leaves the engine refusing to serve until a refit lands). Workers keep a base when
+        `delta` or `undo_bytes` asks for one.
+    shadow: where a trainer keeps its shadow: "device" (fastest) or "host" (pinned host memory,
+        for memory-tight trainers; a copy to the device per frame). Local to each trainer.
     """
 
     bucket_bytes: int = 256 << 20
@@ -63,12 +81,15 @@ class RefitConfig:
     direct_bytes: int = 64 << 20
     checksum: bool = False  # what it costs: bench/results/cpu_checksum_quick_models.json
     shard_to_shard: bool = True
+    delta: bool = False
+    undo_bytes: int = 0
+    shadow: str = "device"
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> RefitConfigError:
             return RefitConfigError(f"RefitConfig.{field}={getattr(self, field)!r}: {why}")
 
-        for field in ("bucket_bytes", "num_buffers", "alignment", "direct_bytes"):
+        for field in ("bucket_bytes", "num_buffers", "alignment", "direct_bytes", "undo_bytes"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(field, "must be an int")
@@ -76,13 +97,17 @@ class RefitConfig:
             raise bad("bucket_bytes", "must be at least 1024 bytes")
         if self.direct_bytes < 1024:
             raise bad("direct_bytes", "must be at least 1024 bytes")
+        if self.undo_bytes < 0:
+            raise bad("undo_bytes", "must be >= 0 (0: no undo log)")
+        if self.shadow not in SHADOW_PLACES:
+            raise bad("shadow", f"must be one of {SHADOW_PLACES}")
         if self.num_buffers < 1:
             raise bad("num_buffers", "must be >= 1")
         if self.num_buffers > 16:
             raise bad("num_buffers", "more than 16 buffers only costs memory")
         if self.alignment < 1 or self.alignment & (self.alignment - 1) or self.alignment > 4096:
             raise bad("alignment", "must be a power of two between 1 and 4096")
-        for field in ("checksum", "shard_to_shard"):
+        for field in ("checksum", "shard_to_shard", "delta"):
             if not isinstance(getattr(self, field), bool):
                 raise bad(field, "must be a bool")
         if not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:

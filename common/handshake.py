@@ -110,7 +110,8 @@ def exchange_status(group: Transport, stats: RefitStats, error: BaseException | 
     mine = "" if error is None else f"{type(error).__name__}: {error}"
     times = {"seconds": stats.seconds, "wait_s": stats.wait_s, "load_s": stats.load_s,
              "post_s": stats.post_s, "buckets_loaded": stats.buckets_loaded,
-             "wire_bytes": stats.wire_bytes, "need_set": stats.need_set}
+             "wire_bytes": stats.wire_bytes, "need_set": stats.need_set,
+             "delta_frames": stats.delta_frames}
     group.refits += 1
     statuses = group.all_gather_bytes(
         encode_status(mine, times, group.rank == 0 and group.verdict_by_caller), STATUS_BYTES,

@@ -18,7 +18,7 @@ import torch
 
 from common.config import RefitConfig
 
-PLAN_FORMAT = 3  # 3: need-sets, and frame headers saying need-set, kind and size
+PLAN_FORMAT = 4  # 4: delta frames (headers name the next frame), undo log budget
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -191,11 +191,13 @@ class RefitPlan:
         }
 
     def to_dict(self) -> dict:
-        """Plain JSON-able form (plus the timeout, the checksum and shard-to-shard switches and
-        the digest) for sending once at setup: every rank takes rank 0's, and a switch leaves
-        the digest (and so the engines' learned maps) as it is."""
+        """Plain JSON-able form (plus the timeout, the checksum, shard-to-shard, delta and undo
+        switches and the digest; a trainer's shadow place stays with it) for sending once at
+        setup: every rank takes rank 0's, and a switch leaves the digest (and so the engines'
+        learned maps) as it is."""
         return {**self._body(), "timeout_s": self.config.timeout_s,
                 "checksum": self.config.checksum, "shard_to_shard": self.config.shard_to_shard,
+                "delta": self.config.delta, "undo_bytes": self.config.undo_bytes,
                 "digest": self.digest}
 
     @classmethod
@@ -210,6 +212,8 @@ class RefitPlan:
             direct_bytes=data["direct_bytes"],
             checksum=data.get("checksum", False),
             shard_to_shard=data["shard_to_shard"],
+            delta=data["delta"],
+            undo_bytes=data["undo_bytes"],
         )
         plan = cls(tuple(TensorSpec.from_json(s) for s in data["specs"]), config)
         if "digest" in data and data["digest"] != plan.digest:

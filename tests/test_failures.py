@@ -293,16 +293,15 @@ class CorruptingReceiver(RefitReceiver):
 
     damage: tuple[int, str] = (-1, "")
 
-    def _verify(self, bucket, header, target, stats):
+    def verify_bytes(self, bucket, header, payload, *args, **kwargs):
         index, how = self.damage
         if bucket.index == index:
-            payload = target if bucket.direct else self.payload(bucket)
             if how.startswith("flip"):
                 payload[0 if how == "flip-first" else -1] ^= 0xFF
             else:
                 i, j = 0, next(k for k in range(1, payload.numel()) if payload[k] != payload[0])
                 payload[i], payload[j] = payload[j].clone(), payload[i].clone()
-        return super()._verify(bucket, header, target, stats)
+        return super().verify_bytes(bucket, header, payload, *args, **kwargs)
 
 
 DAMAGE = {2: (1, "swap"), 3: (3, "flip")}  # receiver rank: (bucket, how)

@@ -6,10 +6,11 @@ reaches every rank inside the same collective that would have carried the bucket
 payload's checksum where the sender computed one (`common.wire.checksum`). Frames of one bucket
 differ by receiver (`common.shard_plan`): the header says which need-set a frame is for, its
 kind (the whole bucket, or compact: only the set's ranges) and its payload's size, which each
-receiver knows before it posts the frame (from the re-plan), and checks. A payload whose size
-only the sender knows, and only once it has encoded it (a delta), travels like a direct
-bucket today: its header as a fixed-size broadcast of its own, posted N frames ahead, then
-the payload, whose receive is posted as soon as its header has landed.
+receiver knows before it posts the frame (from the re-plan), and checks. A need-set in delta
+mode (`common.delta_frames`) sends frames whose size only the sender knows once it has
+encoded them: each frame's header then goes as a fixed-size broadcast of its own, followed by
+the payload, whose receive each rank posts once the header has landed; a delta frame's header
+also carries the checksum of the bytes it rebuilds.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ HEADER_BYTES = 512
 MAGIC = 0x52454649  # "REFI"
 STATUS_OK, STATUS_ABORT = 1, 2
 # magic, status, bucket, num_buckets, version, msg_len, plan digest, need-set, frame kind,
-# payload bytes, has checksum, checksum
-_FIXED = struct.Struct("<qqqqqq32sqqqqQ")
+# payload bytes, rebuilt bytes' checksum, has checksum, checksum
+_FIXED = struct.Struct("<qqqqqq32sqqqQqQ")
 CHECKSUM_OFFSET = _FIXED.size - 8
 MAX_MESSAGE = HEADER_BYTES - _FIXED.size
 
@@ -40,6 +41,7 @@ class Header:
     need_set: int = -1  # -1: the whole group (no need-sets)
     kind: int = 0  # `common.shard_plan.FULL` / `COMPACT`
     payload_bytes: int = 0
+    rebuilt_checksum: int = 0  # a delta frame: the checksum of the bytes it rebuilds
     checksummed: bool = False  # the sender stamps the checksum after packing (`stamp`)
     checksum: int = 0
 
@@ -47,7 +49,8 @@ class Header:
         msg = self.message.encode()[:MAX_MESSAGE]
         fixed = _FIXED.pack(MAGIC, self.status, self.bucket, self.num_buckets, self.version,
                             len(msg), bytes.fromhex(self.digest), self.need_set, self.kind,
-                            self.payload_bytes, int(self.checksummed), self.checksum)
+                            self.payload_bytes, self.rebuilt_checksum, int(self.checksummed),
+                            self.checksum)
         return (fixed + msg).ljust(HEADER_BYTES, b"\0")
 
     def encode(self) -> torch.Tensor:
@@ -57,12 +60,12 @@ class Header:
     def decode(cls, data: torch.Tensor) -> Header:
         raw = data[:HEADER_BYTES].cpu().numpy().tobytes()
         (magic, status, bucket, num_buckets, version, msg_len, digest, need_set, kind,
-         payload_bytes, checksummed, checksum) = _FIXED.unpack_from(raw)
+         payload_bytes, rebuilt, checksummed, checksum) = _FIXED.unpack_from(raw)
         if magic != MAGIC or status not in (STATUS_OK, STATUS_ABORT):
             raise ValueError(f"not a refit bucket header (magic {magic:#x}, status {status})")
         message = raw[_FIXED.size : _FIXED.size + msg_len].decode(errors="replace")
         return cls(bucket, num_buckets, version, digest.hex(), status, message, need_set,
-                   kind, payload_bytes, bool(checksummed), checksum)
+                   kind, payload_bytes, rebuilt, bool(checksummed), checksum)
 
     def mismatch(self, expected: Header) -> str | None:
         """Why this received header is not the one expected, or None."""

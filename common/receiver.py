@@ -1,0 +1,322 @@
+"""The inference side of a refit (`common.broadcast` has the protocol): receive each frame,
+check it, hand it to the loader; keep a base of what was received (`common.delta_store`) so
+delta frames can be rebuilt (`common.delta_frames`) and a failed refit rolled back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from common.delta_frames import DELTA, DeltaReceive, delta_modes, set_keys
+from common.delta_store import NO_BASE, FrameStore
+from common.endpoint import Endpoint
+from common.errors import RefitAborted, RefitError
+from common.handshake import PlanCheck, agree_on_plan
+from common.needs import Needs
+from common.plan import Bucket, RefitPlan
+from common.sharding import Route
+from common.stats import RefitStats
+from common.wire import checksum
+from common.wire.bucket_header import STATUS_OK, Header
+from common.wire.transport import Transport
+
+BucketCallback = Callable[[list[tuple[str, torch.Tensor]]], None]
+CompactCallback = Callable[[int, torch.Tensor], None]
+NO_UNDO = "it keeps no base (RefitConfig.delta and undo_bytes are off)"
+
+
+class RefitReceiver(Endpoint):
+    """Runs on every inference rank: receives each bucket and hands its tensors to a callback."""
+
+    @classmethod
+    def setup(cls, group: Transport, plan: RefitPlan | None = None,
+              check: PlanCheck | None = None, base_place: torch.device | None = None,
+              ) -> RefitReceiver:
+        """Join the plan handshake; pass `plan` to insist on it, `check` to vet rank 0's plan
+        (a mismatch or a refusal fails the setup on every rank). `base_place`: where the
+        base lives (default: the group's device)."""
+        if group.is_trainer:
+            raise ValueError(f"{group.label} is a training rank; use RefitSender")
+        return cls(group, agree_on_plan(group, plan, check), base_place)
+
+    def __init__(self, group: Transport, plan: RefitPlan,
+                 base_place: torch.device | None = None) -> None:
+        super().__init__(group, plan)
+        # What this worker reads of each bucket (`common.needs`) once it knows (a learned
+        # load map); reported at each refit's start. None: every byte.
+        self.needs: Needs | None = None
+        cfg = plan.config
+        self.base = FrameStore(base_place or group.device, cfg.undo_bytes) \
+            if cfg.delta or cfg.undo_bytes else None
+        self._scratch: list[torch.Tensor] = []
+        self.applied: list[tuple[Bucket, Route, int]] = []  # this refit's frames handed over
+        self.undo_refusal: str | None = NO_UNDO  # why the last failed refit cannot roll back
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a view into one of this receiver's reusable buffers."""
+        ptr = tensor.untyped_storage().data_ptr()
+        buffers = [*self.buffers, *(b for c in self.compact.values() for b in c.buffers)]
+        return any(ptr == b.untyped_storage().data_ptr() for b in buffers)
+
+    def receive(self, on_bucket: BucketCallback, on_done: Callable[[], None] | None = None,
+                version: int | None = None, on_compact: CompactCallback | None = None,
+                verify: bool = False) -> RefitStats:
+        """Receive one refit; `on_bucket(list of (name, tensor))` is called once per bucket
+        that arrives whole, `on_compact(bucket index, payload)` once per compact frame (the
+        bytes of `self.needs`, placed as `common.shard_plan.Gather` says).
+
+        The tensors are views into a receive buffer that is reused as soon as the callback
+        returns: copy anything that must outlive the call. After the first failure (an ABORT
+        from the sender, the callback raising, or a `version` other than the one expected)
+        the remaining buckets are received but not handed over, and every rank raises at the
+        end (then `roll_back` can re-apply the last complete version). `on_done()` runs after
+        the last bucket (also after a failure: it closes what the loads opened), before the
+        status exchange, so its failure reaches every rank too. `verify`: the trainers
+        resend the version this worker holds; it takes whole frames and fails the refit if
+        a byte differs from its base.
+        """
+        stats = RefitStats(-1, len(self.plan.buckets), self.plan.total_bytes, role="receiver")
+        t0 = time.perf_counter()
+        what = "refit" if version is None else f"refit v{version}"
+        self.agree_on_needs(self.needs, what)
+        stats.replan_s = time.perf_counter() - t0
+        frames = [(b, r) for b in self.plan.buckets for r in self.sharding.routes(b)]
+        my_set = self.sharding.my_set()
+        stats.need_set = -1 if my_set is None else my_set.index
+        base_version = self._agree_on_bases(stats.need_set, verify, what)
+        self.applied, self._verify = [], verify
+
+        def hand_over(bucket: Bucket, route: Route, payload: torch.Tensor,
+                      staged: bool) -> BaseException | None:
+            return self._hand_over(bucket, route, payload, staged, on_bucket, on_compact,
+                                   stats)
+
+        def check(bucket: Bucket, route: Route, header: Header, error: BaseException | None,
+                  first: bool) -> BaseException | None:
+            return self._check_header(bucket, route, header, version, stats, error, first)
+
+        if base_version is not None:
+            error = DeltaReceive(self, frames, base_version, stats).run(hand_over, check)
+        else:
+            error = self._receive_frames(frames, stats, version, hand_over)
+        if on_done is not None:
+            error = self._run_on_done(on_done, stats, error)
+        try:
+            stats = self.finish(stats, error, t0)
+        except BaseException:
+            self._failed()
+            raise
+        if self.base is not None and not verify:
+            self.base.commit(stats.version)
+        return stats
+
+    def _agree_on_bases(self, my_set: int, verify: bool, what: str) -> int | None:
+        """Open this refit in the base; the base version its frames go on, if in delta
+        mode (a verification asks for whole frames)."""
+        if self.base is None:
+            return None
+        key = set_keys(self)[my_set]
+        held = self.base.holds(key)
+        self.base.begin(key)
+        if not self.plan.config.delta:
+            return None
+        report = NO_BASE if held is None or verify else held
+        return delta_modes(self, {my_set: report}, what).get(my_set)
+
+    def _receive_frames(self, frames: list[tuple[Bucket, Route]], stats: RefitStats,
+                        version: int | None, hand_over: Callable) -> BaseException | None:
+        """Frames of known sizes, posted up to N ahead; returns the refit's error."""
+        posted: dict[int, tuple[list, torch.Tensor | None]] = {}
+        error: BaseException | None = None
+        for ordinal, (bucket, route) in enumerate(frames):
+            self._post_ahead(frames, ordinal, posted)
+            works, target = posted.pop(ordinal)
+            self.wait_all(works, stats)
+            raw, payload = (self.headers[bucket.index % self.num_buffers], target) \
+                if bucket.direct and route.gather is None else self.frame(bucket, route, ordinal)
+            header = Header.decode(raw)
+            error = self._check_header(bucket, route, header, version, stats, error,
+                                       first=ordinal == 0)
+            if error is not None or (error := self.verify_bytes(bucket, header, payload,
+                                                                header.checksum, stats)):
+                continue
+            error = hand_over(bucket, route, payload, False)
+        return error
+
+    def _post(self, bucket: Bucket, route: Route,
+              ordinal: int) -> tuple[list, torch.Tensor | None]:
+        what = f"refit bucket {bucket.index}/{len(self.plan.buckets)}"
+        src, sub = bucket.source_rank, route.sub
+        if route.gather is not None:
+            frame = self.frame(bucket, route, ordinal)[0]
+            return [(self.group.broadcast(frame, src, sub), what)], None
+        if bucket.direct:
+            hbuf = self.headers[bucket.index % self.num_buffers]
+            target = self.direct_target(bucket)
+            return [(self.group.broadcast(hbuf, src, sub), what + " header"),
+                    (self.group.broadcast(target, src, sub), what)], target
+        return [(self.group.broadcast(self.bucket_buffer(bucket), src, sub), what)], None
+
+    def _post_ahead(self, frames: list[tuple[Bucket, Route]], ordinal: int, posted: dict) -> None:
+        """Post the receives of the frames up to N ahead of `ordinal` (at most one oversize
+        tensor beyond the N buffers)."""
+        nxt = max(posted, default=ordinal - 1) + 1  # frames before it are all posted
+        while nxt < len(frames) and nxt < ordinal + self.num_buffers:
+            bucket, route = frames[nxt]
+            if bucket.oversize and route.gather is None and posted:
+                break
+            posted[nxt] = self._post(bucket, route, nxt)
+            nxt += 1
+
+    def frame_payload(self, bucket: Bucket, route: Route, ordinal: int) -> torch.Tensor:
+        """Where frame `ordinal`'s whole payload goes: its buffer's payload region, or a
+        tensor of its own (oversize)."""
+        if route.gather is not None:
+            return self.compact[route.set_index].payload(ordinal, route.gather)
+        return self.direct_target(bucket) if bucket.oversize else self.payload(bucket)
+
+    def delta_buffers(self) -> list[torch.Tensor]:
+        """Two buffers the delta payloads land in, as large as this rank's largest frame."""
+        size = max([self.plan.buffer_bytes, *(c.buffers[0].numel() for c in
+                                              self.compact.values())])
+        if not self._scratch or self._scratch[0].numel() < size:
+            self._scratch = [torch.empty(size, dtype=torch.uint8, device=self.group.device)
+                             for _ in range(2)]
+        return self._scratch
+
+    def first_name(self, bucket: Bucket) -> str:
+        return self.plan.specs[bucket.start].name
+
+    def _check_header(self, bucket: Bucket, route: Route, header: Header, version: int | None,
+                      stats: RefitStats, error: BaseException | None,
+                      first: bool) -> BaseException | None:
+        """The refit's error after this frame's header: the first frame fixes the version (a
+        `version` other than it fails the refit), a header out of step raises at once, an
+        ABORT fails the refit. A delta frame is smaller than its whole frame; an ABORT in
+        delta mode carries no payload."""
+        if first:
+            stats.version = header.version
+            if version is not None and header.version != version:
+                error = RefitError(f"{self.group.label}: the trainers sent refit "
+                                   f"v{header.version}, this receiver expected v{version}")
+        size, kind = route.payload_bytes(bucket), route.kind
+        if header.kind == DELTA and header.payload_bytes < size:
+            size, kind = header.payload_bytes, DELTA
+        elif header.status != STATUS_OK and header.payload_bytes == 0:
+            size = 0
+        expected = Header(bucket.index, len(self.plan.buckets), stats.version, self.plan.digest,
+                          need_set=route.set_index, kind=kind, payload_bytes=size)
+        if why := header.mismatch(expected):
+            raise RefitError(f"{self.group.label}: protocol out of step at bucket "
+                             f"{bucket.index}: {why}; destroy and rebuild the refit group")
+        if header.status != STATUS_OK:
+            error = error or RefitAborted(f"{self.group.label}: sender rank "
+                                          f"{bucket.source_rank} aborted refit "
+                                          f"v{header.version}: {header.message}")
+        return error
+
+    def _hand_over(self, bucket: Bucket, route: Route, payload: torch.Tensor, staged: bool,
+                   on_bucket: BucketCallback, on_compact: CompactCallback | None,
+                   stats: RefitStats) -> BaseException | None:
+        """Record the frame in the base (compare it, verifying), then load it."""
+        if self.base is not None and not staged:
+            held = self.base.base(bucket.index)
+            if not self._verify:
+                self.base.stage_whole(bucket.index, payload)
+            elif held is not None and not torch.equal(held.to(payload.device), payload):
+                return RefitError(f"{self.group.label}: verify v{stats.version}: bucket "
+                                  f"{bucket.index} ({self.first_name(bucket)!r}..) differs "
+                                  f"from the bytes this worker holds; it was not loaded")
+        self.applied.append((bucket, route, len(self.applied)))
+        return self._load(bucket, route, payload, on_bucket, on_compact, stats)
+
+    def _load(self, bucket: Bucket, route: Route, payload: torch.Tensor,
+              on_bucket: BucketCallback, on_compact: CompactCallback | None,
+              stats: RefitStats) -> BaseException | None:
+        """Hand the frame's bytes over; its failure, named, or None."""
+        t1 = time.perf_counter()
+        stats.buckets_loaded += 1  # also when it fails: it may have loaded a part
+        error = None
+        try:
+            if route.gather is None:
+                on_bucket(self._unpack(bucket, payload))
+            elif on_compact is None:
+                raise RefitError(f"a compact frame of bucket {bucket.index} arrived, but "
+                                 f"receive() has no on_compact")
+            else:
+                on_compact(bucket.index, payload)
+        except Exception as e:  # noqa: BLE001 - reported to every rank at the end
+            error = RefitError(f"{self.group.label}: loading bucket {bucket.index} "
+                               f"({self.first_name(bucket)!r}..) failed: "
+                               f"{type(e).__name__}: {e}")
+            error.__cause__ = e
+        stats.load_s += time.perf_counter() - t1
+        return error
+
+    def _failed(self) -> None:
+        """The refit failed somewhere: remember whether it can be rolled back, drop what it
+        staged."""
+        if self.base is None:
+            self.undo_refusal = NO_UNDO
+            return
+        self.undo_refusal = None if self._verify else self.base.undoable()
+        self.base.abort()
+
+    def roll_back(self, on_bucket: BucketCallback,
+                  on_compact: CompactCallback | None = None) -> int:
+        """After a failed refit: hand every frame it applied over again from the base (the
+        last complete version); returns how many. Raises if it cannot (the reason)."""
+        if self.undo_refusal is not None:
+            raise RefitError(f"{self.group.label}: cannot roll back: {self.undo_refusal}")
+        stats = RefitStats(-1, 0, 0, role="receiver")
+        for bucket, route, ordinal in self.applied:
+            payload = self.frame_payload(bucket, route, ordinal)
+            payload.copy_(self.base.base(bucket.index))
+            if error := self._load(bucket, route, payload, on_bucket, on_compact, stats):
+                raise error
+        return len(self.applied)
+
+    def _unpack(self, bucket: Bucket, target: torch.Tensor) -> list:
+        """The bucket's (name, tensor) views; an oversize one: its own fresh tensor."""
+        if bucket.oversize:
+            spec = self.plan.specs[bucket.start]
+            return [(spec.name, target.view(spec.dtype).view(spec.shape))]
+        return self.layouts[bucket.index].unpack()
+
+    def verify_bytes(self, bucket: Bucket, header: Header, payload: torch.Tensor,
+                     expected: int, stats: RefitStats,
+                     what: str = "arrived corrupted") -> RefitError | None:
+        """`payload` against the sender's checksum `expected` (if it sent one): an error
+        naming the bucket and its tensors if they differ, before anything of them is
+        loaded."""
+        if not header.checksummed:
+            return None
+        t0 = time.perf_counter()
+        got = checksum.compute(payload)
+        stats.checksum_s += time.perf_counter() - t0
+        if got == expected:
+            return None
+        specs = self.plan.bucket_specs(bucket)
+        return RefitError(f"{self.group.label}: refit v{header.version} bucket {bucket.index}/"
+                          f"{len(self.plan.buckets)} {what} "
+                          f"({header.payload_bytes} bytes of "
+                          f"{specs[0].name!r}..{specs[-1].name!r}): "
+                          f"{checksum.name(self.group.device)} {got:#010x}, the sender's "
+                          f"{expected:#010x}; it was not loaded")
+
+    def _run_on_done(self, on_done: Callable[[], None], stats: RefitStats,
+                     error: BaseException | None) -> BaseException | None:
+        """`on_done()`, timed as loading; the refit's first error (its own, or this one)."""
+        t1 = time.perf_counter()
+        try:
+            on_done()
+        except Exception as e:  # noqa: BLE001 - reported to every rank
+            if error is None:
+                error = RefitError(f"{self.group.label}: finishing refit v{stats.version} "
+                                   f"failed: {type(e).__name__}: {e}")
+                error.__cause__ = e
+        stats.post_s = time.perf_counter() - t1
+        stats.load_s += stats.post_s
+        return error
