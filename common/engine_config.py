@@ -23,6 +23,9 @@ class EngineConfig:
         (REFIT_SHARD_TO_SHARD).
     hash_loaded: each refit's apply report carries a hash of the model-format bytes the
         worker loaded (`common.in_vllm.loaded_hash`; REFIT_HASH_LOADED), to compare workers.
+    base_place: where each worker keeps its base (the bytes it last received, for delta
+        refits and the undo log, when the trainers' `RefitConfig` asks for one): "device" or
+        "host" (REFIT_BASE_PLACE).
     """
 
     model: str
@@ -33,6 +36,7 @@ class EngineConfig:
     apply: str = "direct"
     shard_to_shard: bool = True
     hash_loaded: bool = False
+    base_place: str = "device"
     start_timeout_s: float = 300.0  # the engine's build
     call_timeout_s: float = 120.0  # every control call of its client (pause, version, ...)
     llm_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -3,6 +3,9 @@
 # Ends the message of a refit that failed before any engine worker loaded a byte of it (its
 # status exchange says so): the engines still hold their last complete version intact.
 NOTHING_LOADED = "nothing of it was loaded on any engine worker"
+# Ends an engine's message of a refit that failed after loading some of it, when every one of
+# its workers restored what it had applied (the undo log, `RefitConfig.undo_bytes`).
+ROLLED_BACK = "every worker of this engine rolled back to its last complete version"
 
 
 class RefitError(RuntimeError):

