@@ -69,6 +69,13 @@ class RefitSender(Endpoint):
         native.load()  # a first build (~25 s) happens here, before the group waits on us
         return cls(group, agree_on_plan(group, plan))
 
+    def keep_shadows_of(self, old: RefitSender | None) -> None:
+        """Carry the shadows of `old` (this trainer's sender in a group that failed, same
+        plan) over: the next refit can still be a delta."""
+        if old is not None and old.shadows and self.shadows and \
+                old.plan.digest == self.plan.digest:
+            self.shadows.stores = old.shadows.stores
+
     def header_table(self, version: int,
                      routes: list[list[Route]]) -> tuple[torch.Tensor, dict[tuple, int]]:
         """Every frame's OK header for this refit, moved to the device in one copy (a copy per
@@ -122,9 +129,13 @@ class RefitSender(Endpoint):
             for route in routes[bucket.index]:
                 key = (route.set_index, slot)
                 if route.set_index in modes:
-                    pending[key], held[key], error = self._send_delta(
-                        bucket, version, tensors, ptrs, error, route, modes[route.set_index],
-                        stats)
+                    try:  # a frame another trainer sources waits for its header here
+                        pending[key], held[key], error = self._send_delta(
+                            bucket, version, tensors, ptrs, error, route,
+                            modes[route.set_index], stats)
+                    except RefitCommError as e:
+                        dead = e
+                        break
                     continue
                 pending[key], held[key], error = self._send(bucket, version, tensors, ptrs,
                                                             error, table, route)

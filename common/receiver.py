@@ -54,6 +54,13 @@ class RefitReceiver(Endpoint):
         self.applied: list[tuple[Bucket, Route, int]] = []  # this refit's frames handed over
         self.undo_refusal: str | None = NO_UNDO  # why the last failed refit cannot roll back
 
+    def keep_base_of(self, old: RefitReceiver | None) -> None:
+        """Carry `old`'s base over (a new group for the same plan: the next refit can still
+        be a delta, and a failure of it rolled back)."""
+        if old is not None and old.base is not None and self.base is not None \
+                and old.plan.digest == self.plan.digest:
+            self.base = old.base
+
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is a view into one of this receiver's reusable buffers."""
         ptr = tensor.untyped_storage().data_ptr()
@@ -79,6 +86,7 @@ class RefitReceiver(Endpoint):
         """
         stats = RefitStats(-1, len(self.plan.buckets), self.plan.total_bytes, role="receiver")
         t0 = time.perf_counter()
+        self.applied, self._verify, self.undo_refusal = [], verify, None
         what = "refit" if version is None else f"refit v{version}"
         self.agree_on_needs(self.needs, what)
         stats.replan_s = time.perf_counter() - t0
@@ -86,7 +94,6 @@ class RefitReceiver(Endpoint):
         my_set = self.sharding.my_set()
         stats.need_set = -1 if my_set is None else my_set.index
         base_version = self._agree_on_bases(stats.need_set, verify, what)
-        self.applied, self._verify = [], verify
 
         def hand_over(bucket: Bucket, route: Route, payload: torch.Tensor,
                       staged: bool) -> BaseException | None:
@@ -97,13 +104,13 @@ class RefitReceiver(Endpoint):
                   first: bool) -> BaseException | None:
             return self._check_header(bucket, route, header, version, stats, error, first)
 
-        if base_version is not None:
-            error = DeltaReceive(self, frames, base_version, stats).run(hand_over, check)
-        else:
-            error = self._receive_frames(frames, stats, version, hand_over)
-        if on_done is not None:
-            error = self._run_on_done(on_done, stats, error)
-        try:
+        try:  # whatever fails (the group too), the base learns of it
+            if base_version is not None:
+                error = DeltaReceive(self, frames, base_version, stats).run(hand_over, check)
+            else:
+                error = self._receive_frames(frames, stats, version, hand_over)
+            if on_done is not None:
+                error = self._run_on_done(on_done, stats, error)
             stats = self.finish(stats, error, t0)
         except BaseException:
             self._failed()

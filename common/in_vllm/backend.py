@@ -106,6 +106,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
         if self.in_update:
             raise RuntimeError("cannot join a refit group during a weight update")
+        old = self.receiver
         self.shutdown()
         rank = init_info.rank_offset + self.refit_rank_within_engine
         group = RefitGroup(host=init_info.host, port=init_info.port, rank=rank,
@@ -119,6 +120,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             group.destroy()
             raise
         plan = self.receiver.plan
+        self.receiver.keep_base_of(old)  # a rejoin keeps its base: deltas and rollback go on
         if self.direct is not None and self.direct.plan_digest != plan.digest:
             self.direct = None  # learned for another plan: the next refit learns again
         if self.direct is None:
