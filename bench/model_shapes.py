@@ -142,7 +142,23 @@ def scaled(shapes: Shapes, scale: float) -> Shapes:
 
 # the broadcast benchmark's two shape families: name -> (model it is shaped like, its config)
 MODELS = {"moe": ("Qwen3-30B-A3B", QWEN3_30B_A3B), "dense": ("Qwen3-8B", QWEN3_8B)}
-# the published models the cost model places the project against: name -> tensor list
+# the published models the cost model places the project against: name -> config
+CONFIGS: dict[str, Qwen3Config | DeepseekV3Config] = {
+    "Qwen3-30B-A3B": QWEN3_30B_A3B, "Qwen3-8B": QWEN3_8B, "Qwen3-235B-A22B": QWEN3_235B_A22B,
+    "DeepSeek-V3": DEEPSEEK_V3, "Kimi-K2": KIMI_K2}
+
+
+def shapes_of(config: Qwen3Config | DeepseekV3Config) -> Shapes:
+    if isinstance(config, DeepseekV3Config):
+        return deepseek_v3_shapes(config)
+    return qwen3_shapes(config)
+
+
+def experts_of(config: Qwen3Config | DeepseekV3Config) -> int:
+    return config.routed_experts if isinstance(config, DeepseekV3Config) else config.experts
+
+
+# name -> tensor list
 PUBLISHED = {"Qwen3-30B-A3B": lambda: qwen3_shapes(QWEN3_30B_A3B),
              "Qwen3-235B-A22B": lambda: qwen3_shapes(QWEN3_235B_A22B),
              "DeepSeek-V3": lambda: deepseek_v3_shapes(DEEPSEEK_V3),

@@ -1,0 +1,90 @@
+"""The cost model's arithmetic: cut a tensor list into the broadcaster's buckets, then time a
+refit as a critical path through its stages with N rotating buffers.
+
+Per bucket, in plan order: its sender produces it (gather, per-tensor host work, pack: with 2+
+buffers the host work of the next bucket overlaps the device pack of this one, so the slower
+sets the pace; with 1 buffer they run in turn and the sender waits for the buffer to come back,
+`handback_s`), the wire carries it (one collective at a time over the group), the receivers
+apply it. A sender reuses a buffer only once its bucket `buffers` back has left the wire; a
+receiver holds `buffers` buckets, so the wire waits for the apply of the bucket `buffers` back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Bucket:
+    sender: int
+    tensors: int
+    nbytes: int
+    expert_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-bucket stage times (seconds), each list in bucket order."""
+
+    host: list[float]
+    device: list[float]
+    wire: list[float]
+    apply: list[float]
+
+
+@dataclass
+class Timeline:
+    seconds: float
+    totals: dict[str, float] = field(default_factory=dict)  # the critical path, by stage
+
+    @property
+    def bound(self) -> str:
+        """The stage whose own total comes closest to the whole refit's time."""
+        return max(self.totals, key=self.totals.get)
+
+
+def cut(items: list[tuple[int, int, bool]], bucket_bytes: int) -> list[Bucket]:
+    """(sender, nbytes, is_expert) per tensor, in plan order -> buckets: a run of one sender's
+    tensors is cut when the next would overflow `bucket_bytes`; a larger tensor goes alone."""
+    out: list[Bucket] = []
+    sender, count, size, expert = -1, 0, 0, 0
+    for s, n, ex in items:
+        if count and (s != sender or size + n > bucket_bytes):
+            out.append(Bucket(sender, count, size, expert))
+            count, size, expert = 0, 0, 0
+        sender, count, size, expert = s, count + 1, size + n, expert + (n if ex else 0)
+    if count:
+        out.append(Bucket(sender, count, size, expert))
+    return out
+
+
+def _produce(costs: StageCosts, i: int, buffers: int, handback_s: float) -> float:
+    if buffers == 1:
+        return costs.host[i] + costs.device[i] + handback_s
+    return max(costs.host[i], costs.device[i])
+
+
+def simulate(buckets: list[Bucket], costs: StageCosts, buffers: int,
+             handback_s: float = 0.0) -> Timeline:
+    """The refit's end: when the last bucket is applied (see the module's doc). `totals`
+    splits that time along the critical path: the wire busy, the wire waiting on a sender,
+    the wire waiting on a receiver's buffer plus the last apply."""
+    sent: dict[int, list[float]] = {}  # sender -> wire end of each of its buckets
+    produced: dict[int, float] = {}
+    applied: list[float] = []
+    wire_end, totals = 0.0, {"sender": 0.0, "wire": 0.0, "apply": 0.0}
+    for i, b in enumerate(buckets):
+        mine = sent.setdefault(b.sender, [])
+        free = mine[-buffers] if len(mine) >= buffers else 0.0
+        produced[b.sender] = max(produced.get(b.sender, 0.0), free) + _produce(
+            costs, i, buffers, handback_s)
+        held = applied[i - buffers] if i >= buffers else 0.0
+        start = max(produced[b.sender], wire_end, held)
+        totals["sender" if produced[b.sender] >= held else "apply"] += start - wire_end
+        wire_end = start + costs.wire[i]
+        totals["wire"] += costs.wire[i]
+        mine.append(wire_end)
+        applied.append(max(wire_end, applied[-1] if applied else 0.0) + costs.apply[i])
+    if applied:
+        totals["apply"] += applied[-1] - wire_end
+    return Timeline(applied[-1] if applied else 0.0, totals)

@@ -1,0 +1,100 @@
+"""The README's "At scale" tables, generated from the cost model (`bench/cost_model.py
+--write-readme` rewrites them between their markers; `tests/test_cost_model.py` checks)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from cost_model_scale import Engine, LayoutError, Links, Options, Trainer, figures, predict
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+H100, H200 = Links(gpu="h100"), Links(gpu="h200")
+# name -> (model, trainer, engine): disaggregated nodes of 8 GPUs, 8 x 400 Gb/s NICs each
+TOPOLOGIES = {
+    "30B: 16 -> 16": ("Qwen3-30B-A3B", Trainer(tp=2, ep=8, dp=8), Engine(tp=4, dp=4)),
+    "235B: 32 -> 16": ("Qwen3-235B-A22B", Trainer(tp=4, pp=4, ep=8, dp=2),
+                       Engine(tp=8, ep=8, dp=2)),
+    "235B: 8 -> 8": ("Qwen3-235B-A22B", Trainer(tp=4, ep=8, dp=2), Engine(tp=8, ep=8)),
+    "V3: 128 -> 64": ("DeepSeek-V3", Trainer(tp=2, pp=16, ep=8, dp=4),
+                      Engine(tp=8, ep=32, dp=2)),
+    "V3: 64 -> 32": ("DeepSeek-V3", Trainer(tp=2, pp=8, ep=8, dp=4), Engine(tp=8, ep=16, dp=2)),
+    "K2: 256 -> 128": ("Kimi-K2", Trainer(tp=2, pp=16, ep=8, dp=8), Engine(tp=8, ep=32, dp=4)),
+}
+OPTIONS = {"full": Options(), "delta 3%": Options(mode="delta"),
+           "shard-to-shard": Options(mode="shard"), "fp8 wire": Options(wire_bytes=1)}
+# published figures: (who, what, seconds, hardware as stated, topology, links)
+PEERS = [
+    ("NeMo-RL (seed)", "Qwen3-30B-A3B, BF16", "1.5", "DGX H100", "30B: 16 -> 16", H100),
+    ("NeMo-RL reshard", "Qwen3-30B-A3B", "0.74-1.53", "H100", "30B: 16 -> 16", H100),
+    ("NeMo-RL (seed)", "Qwen3-235B-A22B, BF16", "5", "DGX H100", "235B: 32 -> 16", H100),
+    ("vLLM `sharded_rdt`", "Qwen3-235B-A22B", "3.3", "8 -> 8 H100", "235B: 8 -> 8", H100),
+    ("NeMo-RL (seed)", "DeepSeek-V3, BF16", "14", "DGX H100", "V3: 128 -> 64", H100),
+    ("prime-rl", "GLM-5.2 (modelled with DeepSeek-V3's shapes)", "2.84", "64 -> 32 H200",
+     "V3: 64 -> 32", H200),
+    ("Perplexity", "Kimi-K2, BF16 -> FP8", "1.3", "256 -> 128 GPUs (modelled as H100)",
+     "K2: 256 -> 128", H100),
+    ("checkpoint-engine", "Kimi-K2, FP8", "16-20", "not in the issue (modelled as H100)",
+     "K2: 256 -> 128", H100),
+]
+
+
+def _layout(t: Trainer, e: Engine) -> str:
+    return (f"trainer TP{t.tp} PP{t.pp} EP{t.ep} DP{t.dp}; engines TP{e.tp} EP{e.ep} x "
+            f"{e.dp}")
+
+
+def _cells(model: str, t: Trainer, e: Engine, links: Links) -> list[str]:
+    try:
+        return [_range(predict(model, t, e, links, o)) for o in OPTIONS.values()]
+    except LayoutError as err:  # e.g. bf16 weights that do not fit the engine's GPUs
+        return [f"does not fit: {err}"] + ["-"] * (len(OPTIONS) - 1)
+
+
+def _range(p: dict) -> str:
+    s = p["seconds"]
+    return f"{s['best']:.2f} / {s['expected']:.2f} / {s['worst']:.2f} ({p['bound']})"
+
+
+def scale_table() -> str:
+    rows = []
+    for name, (model, t, e) in TOPOLOGIES.items():
+        for links in (H100, H200):
+            cells = _cells(model, t, e, links)
+            rows.append(f"| {model} | {name} {links.gpu.upper()} | {_layout(t, e)} | "
+                        + " | ".join(cells) + " |")
+    head = ["model", "GPUs (trainer -> engines)", "layout", *OPTIONS]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), *rows])
+
+
+def peers_table() -> str:
+    rows = []
+    for who, what, secs, hw, topo, links in PEERS:
+        model, t, e = TOPOLOGIES[topo]
+        cells = _cells(model, t, e, links)
+        rows.append(f"| {who} | {what} | {secs} | {hw} | {topo} {links.gpu.upper()} | "
+                    + " | ".join(cells) + " |")
+    head = ["peer", "model", "their s", "their hardware", "modelled as", *OPTIONS]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), *rows])
+
+
+def constants_table() -> str:
+    rows = [f"| `{f.name}` | {f.best:.4g} / {f.expected:.4g} / {f.worst:.4g} {f.unit} | "
+            f"{'measured' if f.measured else 'assumed'} | {f.source} | {f.stamp} | {f.note} |"
+            for f in figures().values()]
+    head = ["constant", "best / expected / worst", "kind", "source", "stamp", "what"]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), *rows])
+
+
+TABLES = {"scale": scale_table, "peers": peers_table, "constants": constants_table}
+
+
+BLOCK = re.compile(r"(<!-- cost_model:(\w+) -->\n)(?:(?!<!--).)*(<!-- /cost_model -->)", re.S)
+
+
+def render(readme: str) -> str:
+    """`readme` with each cost-model table replaced by the model's output."""
+    found = {m.group(2) for m in BLOCK.finditer(readme)}
+    if missing := set(TABLES) - found:
+        raise SystemExit(f"README.md has no <!-- cost_model:NAME --> block for {missing}")
+    return BLOCK.sub(lambda m: m.group(1) + TABLES[m.group(2)]() + "\n" + m.group(3), readme)

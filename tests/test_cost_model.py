@@ -1,0 +1,90 @@
+"""The cost model (`bench/cost_model.py`): its arithmetic on small hand-computed cases, every
+constant it reads present in bench/results/, clear errors on bad input, and the README's
+"At scale" tables equal to the model's output."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from cost_model import main, parse_layout  # noqa: E402
+from cost_model_check import CALIBRATION, HELD_OUT, machine  # noqa: E402
+from cost_model_core import Bucket, StageCosts, cut, simulate  # noqa: E402
+from cost_model_inputs import RESULTS, load  # noqa: E402
+from cost_model_readme import README, render  # noqa: E402
+from cost_model_scale import Engine, LayoutError, Links, Options, Trainer, figures, wire_fraction  # noqa: E402
+
+
+def test_cost_model_cuts_buckets_per_sender_and_size() -> None:
+    items = [(0, 40, False), (0, 40, True), (0, 40, False), (1, 10, False), (1, 200, False)]
+    assert cut(items, 100) == [Bucket(0, 2, 80, 40), Bucket(0, 1, 40), Bucket(1, 1, 10),
+                               Bucket(1, 1, 200)]
+
+
+def _three(host: float, wire: float, apply: float = 0.0) -> tuple[list[Bucket], StageCosts]:
+    return [Bucket(0, 1, 1)] * 3, StageCosts([host] * 3, [0.0] * 3, [wire] * 3, [apply] * 3)
+
+
+def test_cost_model_pipeline_by_hand() -> None:
+    b, c = _three(host=2.0, wire=1.0)
+    assert simulate(b, c, 1).seconds == pytest.approx(9.0)  # 1 buffer: (2 + 1) x 3 in turn
+    t = simulate(b, c, 2)  # 2 buffers: packs back to back, the last send after: 2 x 3 + 1
+    assert t.seconds == pytest.approx(7.0) and t.bound == "sender"
+    b, c = _three(host=1.0, wire=3.0, apply=0.5)
+    t = simulate(b, c, 2)  # wire-bound: 1 + 3 x 3 + the last apply
+    assert t.seconds == pytest.approx(10.5) and t.bound == "wire"
+    assert sum(t.totals.values()) == pytest.approx(t.seconds)
+    # 1 buffer: (1 + 0.5 hand-back + 3) x 3, the first two applies under the next packs
+    assert simulate(b, c, 1, handback_s=0.5).seconds == pytest.approx(3 * 4.5 + 0.5)
+
+
+def test_cost_model_delta_wire_fraction_matches_the_codec() -> None:
+    measured = load("delta_codec_h200")["summary"]
+    assert wire_fraction(0.03) == pytest.approx(measured["wire_fraction_3pct"], abs=1e-3)
+    assert wire_fraction(0.15) == pytest.approx(measured["wire_fraction_15pct"], abs=1e-3)
+
+
+def test_cost_model_constants_are_in_the_results() -> None:
+    for run in {*CALIBRATION, *HELD_OUT}:
+        assert (RESULTS / f"{run}.json").exists(), run
+        m = machine(run)
+        assert m.host_s > 0 and m.pack_Bps > 0 and m.handback_s >= 0
+    for f in figures().values():
+        assert f.best > 0 and f.expected > 0 and f.worst > 0, f.name
+        if f.measured:
+            assert (RESULTS / f.source).exists() and f.stamp, f.name
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--model", "GPT-9"], "unknown model"),
+    (["--model", "Qwen3-30B-A3B", "--engine", "tp=3"], "does not divide"),
+    (["--model", "Qwen3-30B-A3B", "--trainer", "ep=7"], "does not divide"),
+    (["--model", "Qwen3-30B-A3B", "--nics", "0"], "zero links"),
+    (["--model", "Qwen3-30B-A3B", "--trainer", "tq=2"], "expected KEY=INT"),
+    (["--model", "DeepSeek-V3", "--engine", "tp=8"], "per engine GPU"),
+])
+def test_cost_model_bad_input_is_a_clear_error(argv, says, capsys) -> None:
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_cost_model_answers_a_users_case(capsys) -> None:
+    assert main(["--model", "Qwen3-30B-A3B", "--trainer", "tp=2,ep=8,dp=8",
+                 "--engine", "tp=4,dp=4"]) == 0
+    out = capsys.readouterr().out
+    assert '"bound"' in out and '"stages_s"' in out and "gpu_h200x1.json" in out
+    assert parse_layout(Engine, "tp=8,ep=16") == Engine(tp=8, ep=16)
+    with pytest.raises(LayoutError):
+        parse_layout(Trainer, "tp=x")
+    assert Links().nics_per_node == 8 and Options().buffers == 2
+
+
+def test_cost_model_readme_at_scale_is_the_models_output() -> None:
+    readme = README.read_text()
+    assert render(readme) == readme, (
+        "README.md's At scale tables differ from the cost model: run "
+        "`python bench/cost_model.py --write-readme`")
