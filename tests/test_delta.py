@@ -84,3 +84,68 @@ def test_delta_that_cannot_apply_is_refused_before_a_byte_is_written(device):
         assert torch.equal(target, base), why
     with pytest.raises(DeltaError, match="a target of"):
         apply(delta, base[:-1].clone(), base_version=4)
+
+
+def reference(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor | None:
+    """The delta the torch ops make on CPU: every device's must equal it byte for byte."""
+    native_load = native.load
+    native.load = lambda: None
+    try:
+        return encode(new.cpu(), base.cpu(), base_version=3)
+    finally:
+        native.load = native_load
+
+
+BLOCK_WORDS = 4096  # the CUDA kernels' block: sizes around its edges
+
+
+@pytest.mark.parametrize("nbytes", [200, 201, 2 * BLOCK_WORDS - 2, 2 * BLOCK_WORDS,
+                                    2 * BLOCK_WORDS + 1, 2 * BLOCK_WORDS + 18,
+                                    6 * BLOCK_WORDS + 3, 2 * 33 * BLOCK_WORDS - 14])
+@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.3, 1.0])
+def test_delta_bytes_are_the_same_on_every_device_at_every_size(device, nbytes, fraction):
+    """Odd lengths, lengths off the kernels' block and bitmask padding, none / some / all of
+    the words changed (all: goes whole), NaN payloads and -0.0 (bit patterns, not values)."""
+    g = torch.Generator().manual_seed(nbytes)
+    base = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+    base[: nbytes // 4 * 4].view(torch.float32)[::5] = float("nan")
+    new = base.clone()
+    words = new[: nbytes // 2 * 2].view(torch.int16)
+    hit = torch.rand(words.numel(), generator=g) < fraction
+    words[hit] ^= 0x0100
+    new[: nbytes // 4 * 4].view(torch.float32)[1::7] = -0.0
+    base[: nbytes // 4 * 4].view(torch.float32)[1::7] = 0.0
+    if nbytes % 2:
+        new[-1] ^= 0x5A
+    want = reference(new, base)
+    base, new = base.to(device), new.to(device)
+    got = encode(new, base, base_version=3)
+    if want is None:
+        assert got is None
+        return
+    assert got is not None and got.device == new.device and torch.equal(got.cpu(), want)
+    target = base.clone()
+    changed = int((new[: nbytes // 2 * 2].view(torch.int16)
+                   != base[: nbytes // 2 * 2].view(torch.int16)).sum())
+    assert apply(got, target, base_version=3) == changed
+    assert torch.equal(target, new)
+
+
+def test_delta_of_many_blocks_at_once(device):
+    """A payload of thousands of kernel blocks (on CUDA they run at once and each finds its
+    value slots from the blocks before it), then a run of them unchanged."""
+    if device != "cuda":
+        pytest.skip("the CUDA kernels' look-back across blocks running at once")
+    g = torch.Generator(device=device).manual_seed(5)
+    base = torch.randint(0, 256, (96 << 20,), generator=g, dtype=torch.uint8, device=device)
+    new = base.clone()
+    words = new.view(torch.int16)
+    words[torch.rand(words.numel(), generator=g, device=device) < 0.05] ^= 0x0F0F
+    words[(40 << 20) // 2 : (50 << 20) // 2] = base.view(torch.int16)[(40 << 20) // 2 :
+                                                                       (50 << 20) // 2]
+    for _ in range(3):
+        delta = encode(new, base, base_version=9)
+        assert torch.equal(delta.cpu(), encode(new.cpu(), base.cpu(), base_version=9))
+        target = base.clone()
+        apply(delta, target, base_version=9)
+        assert torch.equal(target, new)

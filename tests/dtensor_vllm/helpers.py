@@ -49,6 +49,17 @@ def new_version(state: dict[str, torch.Tensor], seed: int) -> None:
         state[name] = (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(t.dtype)
 
 
+def perturb(state: dict[str, torch.Tensor], seed: int, density: float = 0.03) -> None:
+    """`density` of each floating tensor's elements changed, in place (dtypes kept)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, t in state.items():
+        if t.is_floating_point():
+            flat = t.reshape(-1).clone()
+            pick = torch.rand(flat.numel(), generator=g) < density
+            flat[pick] += (0.05 * torch.randn(int(pick.sum()), generator=g)).to(t.dtype)
+            state[name] = flat.view(t.shape)
+
+
 class DriftAt(DictWeightSource):
     """Yields tensor `name` as fp32 where the plan says bf16: the sender aborts there."""
 

@@ -3,7 +3,9 @@ mp executor + gloo) in one refit group: every worker joins with its own rank, an
 refit each replica generates exactly what a fresh TP2 server on the new weights generates,
 also on the later refits that each worker applies directly (its learned load map) from the
 compact frames of its need-set: the workers of one TP rank across the replicas share one set
-and each receives about half of the plan's bytes (shard-to-shard).
+and each receives about half of the plan's bytes (shard-to-shard). Then two delta refits (a
+few percent of the elements changed, then changed back): every worker rebuilds its compact
+frames from its base and both replicas again generate exactly what the fresh server does.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
 from common.wire.group import RefitGroup, free_port
+from tests.dtensor_vllm.helpers import perturb
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config, timed
 
 pytestmark = pytest.mark.slow
@@ -30,7 +33,24 @@ def _greedy(engine, dp_rank: int | None = None) -> tuple[list, list]:
     return [o.tokens for o in outs], [o.logprobs for o in outs]
 
 
-def test_shard_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_engine(checkpoints) -> None:
+def _delta_refits(fleet, sender, source, group, want) -> None:
+    """v4: 3% of v3's elements changed; v5: v3 again. Both go as deltas to every worker."""
+    exact = source.tensors
+    noisy = dict(exact)
+    perturb(noisy, 4)
+    for version, state in ((4, noisy), (5, exact)):
+        source.tensors = state
+        stats = fleet.refit(lambda v=version: sender.refit(source, v), version, group=group)
+        print(f"[serve] {stats.summary()}")
+        for rank, t in stats.receivers.items():
+            assert t["delta_frames"] > 0 and t["wire_bytes"] <= 0.2 * stats.nbytes, (rank, t)
+    engine = fleet.engines[0]
+    for r in range(DP):
+        assert _greedy(engine, r) == want, f"after the delta refits replica {r} differs"
+
+
+def test_shard_and_delta_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_engine(
+        checkpoints) -> None:
     config = replace(serve_config(checkpoints.changed, "reference_tp2"), tensor_parallel_size=TP)
     with VllmServer(config) as fresh:
         print(f"[serve] fresh TP2 server ready in {fresh.wait_ready():.1f} s")
@@ -52,7 +72,8 @@ def test_shard_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_engine(check
                                rank_names=fleet.rank_names(1))
             source = DictWeightSource(checkpoints.states[1])
             sender = RefitSender.setup(group, RefitPlan.build(
-                source.plan_specs(), RefitConfig(bucket_bytes=64 << 10)))
+                source.plan_specs(), RefitConfig(bucket_bytes=64 << 10, delta=True,
+                                                 undo_bytes=64 << 20)))
             joining.result(TIMEOUT_S)
         try:
             with timed("refit v1 into 4 workers"):
@@ -76,5 +97,6 @@ def test_shard_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_engine(check
                     assert t["wire_bytes"] <= 0.55 * stats.nbytes, (rank, t, stats.nbytes)
                 for r in range(DP):
                     assert _greedy(engine, r) == expected[r], f"v{version}: replica {r} differs"
+            _delta_refits(fleet, sender, source, group, want)
         finally:
             group.destroy()
