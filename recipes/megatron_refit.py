@@ -225,8 +225,10 @@ def train_and_refit(args, layout, model, opt, source, plan, sender, fleet, workd
     """Every rank: a training step (on random tokens, or the `--batches` replayed), then a
     refit (rank 0: through the fleet: pause, refit, finish as version `step`, resume), then
     the step's checks on rank 0. Returns per step: the last rank's loss, every rank's loss
-    and (rank 0) the engine's greedy tokens."""
-    trainers, record = dist.get_world_size(), {"losses": [], "rank_losses": [], "greedy": []}
+    (rank 0) the engine's greedy tokens and the frames that went as deltas (with
+    REFIT_DELTA=1)."""
+    trainers = dist.get_world_size()
+    record = {"losses": [], "rank_losses": [], "greedy": [], "delta_frames": []}
     sources = sorted({b.source_rank for b in plan.buckets})
     replay = replayed_batches(args.batches) if args.batches else None
     for step in range(1, (len(replay) if replay else args.steps) + 1):
@@ -243,6 +245,8 @@ def train_and_refit(args, layout, model, opt, source, plan, sender, fleet, workd
         every = [None] * trainers
         dist.all_gather_object(every, (stats, loss))
         record["losses"].append(every[-1][1])
+        record["delta_frames"].append(sum(t.get("delta_frames", 0)
+                                          for t in stats.receivers.values()))
         record["rank_losses"].append([x if x == x else None for _, x in every])
         full = gather_full(source, plan)  # the expected weights, by the plain route
         log(f"step {step}: train {train_s:.2f}s, loss {every[-1][1]:.4f}")

@@ -90,8 +90,9 @@ def trainer_job(rank: int, world: int, port: int, case: Case, steps: list[int], 
                            num_trainers=case.trainers, timeout_s=timeout_s, device="cpu")
         try:
             buffers = 1 if mode == "one_buffer" else 2  # 1: each bucket reuses the last's
+            delta = dict(delta=True, undo_bytes=64 << 20) if mode == "delta" else {}
             sender = RefitSender.setup(group, RefitPlan.build(specs, RefitConfig(
-                bucket_bytes=BUCKET_BYTES, timeout_s=timeout_s, num_buffers=buffers)))
+                bucket_bytes=BUCKET_BYTES, timeout_s=timeout_s, num_buffers=buffers, **delta)))
         except Exception as e:  # noqa: BLE001 - compared by the test
             return [(type(e).__name__, str(e))]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -101,8 +102,9 @@ def trainer_job(rank: int, world: int, port: int, case: Case, steps: list[int], 
             drift = mode in ("drift", "drift_first") and step == steps[0]
             name = "model.norm.weight" if mode == "drift" else None  # else: in bucket 0
             try:
-                sender.refit(_Drifted(source, name) if drift else source, step)
-                out.append(("ok", step))
+                stats = sender.refit(_Drifted(source, name) if drift else source, step)
+                out.append(("ok", step) if mode != "delta" else
+                           ("ok", step, sum(t["delta_frames"] for t in stats.receivers.values())))
             except Exception as e:  # noqa: BLE001 - compared by the test
                 out.append((type(e).__name__, str(e)))
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

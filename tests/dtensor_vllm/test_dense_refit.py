@@ -105,3 +105,19 @@ def test_fsdp_x_tp_trainers_refit_both_engines_like_a_fresh_engine(engines, tmp_
     for engine in engines:
         assert compare_params(engine.read(), want) >= 10
         assert greedy(engine) == ref
+
+
+def test_delta_fsdp_training_steps_refit_both_engines_like_a_fresh_engine(engines, tmp_path):
+    """FSDP2 trainers with deltas on (`RefitConfig(delta=True)`): the first refit of the new
+    group goes whole (the fresh trainers hold no shadow), the next ones as deltas of the
+    training steps; both engines then equal a fresh engine on the last step's weights."""
+    results, _ = refit_round(engines, CASE, "delta", [7, 8, 9], tmp_path)
+    for value in results.values():
+        assert [v[:2] for v in value] == [("ok", 7), ("ok", 8), ("ok", 9)], value
+        assert value[0][2] == 0 and value[2][2] > 0, value  # delta frames, both engines
+    want = expected_params(tmp_path / "v9")
+    with start_engine(str(tmp_path / "v9")) as fresh:
+        ref = greedy(fresh)
+    for engine in engines:
+        assert compare_params(engine.read(), want) >= 10
+        assert greedy(engine) == ref

@@ -5,7 +5,8 @@ worker is refit rank 4, two AdamW steps, a refit after each); the recipe asserts
 and writes what it measured, which is asserted again here: the engine's generation equals a
 fresh engine's on the expected weights, its logprobs match transformers' (which match
 Megatron's own forward) on those weights after every step, and for the local engine its params
-equal the fresh engine's bit for bit.
+equal the fresh engine's bit for bit. The local case runs with deltas and the undo log on
+(REFIT_DELTA=1): its third refit goes as deltas of the training step.
 """
 
 from __future__ import annotations
@@ -21,17 +22,24 @@ pytestmark = pytest.mark.slow
 STEPS = 2
 
 
-@pytest.mark.parametrize(("flags", "label", "min_params"), [
+DELTA = {"REFIT_DELTA": "1", "REFIT_UNDO_BYTES": str(64 << 20)}
+
+
+@pytest.mark.parametrize(("flags", "label", "min_params", "steps", "env"), [
     # A `vllm serve` server over HTTP: generation checked (params are not readable over HTTP).
-    (("--engine", "serve"), "qwen3 TP2xPP2", 0),
-    # An in-process engine: + vLLM's params, fused experts in its kernel layout included.
-    (("--moe", "--engine", "local"), "qwen3_moe TP1xPP2xEP2", 27),
-], ids=["dense-tp2pp2-serve", "moe-pp2ep2-local"])
-def test_megatron_training_refits_into_vllm(tmp_path, flags, label, min_params) -> None:
-    result, out = run_recipe("recipes/megatron_refit.py", "--steps", str(STEPS), *flags,
-                             result=tmp_path / "result.json", nproc=4)
-    assert result["layout"] == label and result["steps"] == STEPS
-    assert result["version"] == str(STEPS)  # the engine serves the last refit
+    (("--engine", "serve"), "qwen3 TP2xPP2", 0, STEPS, {}),
+    # An in-process engine: + vLLM's params, fused experts in its kernel layout included;
+    # refits 1 (learning) and 2 (a new frame layout) go whole, 3 as deltas.
+    (("--moe", "--engine", "local"), "qwen3_moe TP1xPP2xEP2", 27, 3, DELTA),
+], ids=["dense-tp2pp2-serve", "moe-pp2ep2-local-delta"])
+def test_megatron_training_refits_into_vllm(tmp_path, flags, label, min_params, steps,
+                                            env) -> None:
+    result, out = run_recipe("recipes/megatron_refit.py", "--steps", str(steps), *flags,
+                             result=tmp_path / "result.json", nproc=4, env=env)
+    assert result["layout"] == label and result["steps"] == steps
+    if env:
+        assert result["delta_frames"][:2] == [0, 0] and result["delta_frames"][2] > 0, result
+    assert result["version"] == str(steps)  # the engine serves the last refit
     if min_params:  # MoE (routing near-ties vs transformers: the fresh engine is exact)
         assert result["params_equal_fresh"] >= min_params, result
         assert result["params_equal_checkpoint"] >= 19, result
@@ -39,6 +47,6 @@ def test_megatron_training_refits_into_vllm(tmp_path, flags, label, min_params) 
         assert result["max_logprob_diff_vllm_hf"] <= VLLM_TOL
     assert result["max_logprob_diff_hf_megatron"] <= MEGATRON_TOL
     assert result["tokens"] != result["tokens_before"], "training changed nothing vLLM serves"
-    assert len(result["losses"]) == STEPS and all(math.isfinite(x) for x in result["losses"])
-    for step in range(1, STEPS + 1):  # per-refit timing lines from the trainers and the engine
+    assert len(result["losses"]) == steps and all(math.isfinite(x) for x in result["losses"])
+    for step in range(1, steps + 1):  # per-refit timing lines from the trainers and the engine
         assert f"refit v{step}: " in out and f"v{step} received + loaded" in out
