@@ -31,6 +31,7 @@ FORMAT = 1
 PREAMBLE_BYTES = 64
 _PREAMBLE = struct.Struct("<IIqQQQI")  # magic, format, base version, nbytes, changed, mask, tail
 _SHIFTS = {}  # device -> the 8 bit positions, as uint8
+_HEAD0 = MAGIC | FORMAT << 32  # the preamble's first 8 bytes, as a little-endian int64
 
 
 class DeltaError(RefitError):
@@ -64,6 +65,12 @@ def encode(new: torch.Tensor, base: torch.Tensor, base_version: int) -> torch.Te
                          f"{tuple(base.shape)} {base.dtype}: uint8 tensors of one length")
     n = new.numel()
     mask_bytes = -(-(n // 2) // 8)
+    if delta_bytes(n, 0) >= n:  # no delta of so few bytes is smaller
+        return None
+    if delta_kernel.available(new.device):
+        scratch, changed = delta_kernel.encode(new, base, _HEAD0, base_version, mask_bytes)
+        size = delta_bytes(n, changed)
+        return None if size >= n else scratch[:size].clone()
     mask, values = _compare(_words(new), _words(base), mask_bytes)
     changed = values.numel()
     size = delta_bytes(n, changed)
@@ -82,8 +89,6 @@ def _compare(new: torch.Tensor, base: torch.Tensor,
              mask_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the bitmask of the words that differ, their new values in order)."""
     mask = torch.zeros(mask_bytes, dtype=torch.uint8, device=new.device)
-    if delta_kernel.available(new.device):
-        return mask, delta_kernel.compare(new, base, mask)[0]
     if new.device.type == "cpu" and (module := native.load()):
         values = torch.empty(module.delta_mask(new, base, mask), dtype=torch.int16)
         module.delta_gather(new, mask, values)
@@ -99,17 +104,40 @@ def read_preamble(delta: torch.Tensor) -> tuple[int, int, int, int, int]:
     """(base version, payload bytes, changed words, bitmask bytes, tail byte) of a delta."""
     if delta.numel() < PREAMBLE_BYTES:
         raise DeltaError(f"a delta of {delta.numel()} bytes is shorter than its preamble")
-    raw = delta[: _PREAMBLE.size].cpu().numpy().tobytes()
-    magic, fmt, base, nbytes, changed, mask_bytes, tail = _PREAMBLE.unpack(raw)
+    return _parse(delta[: _PREAMBLE.size].cpu().numpy().tobytes())
+
+
+def _parse(raw: bytes) -> tuple[int, int, int, int, int]:
+    magic, fmt, base, nbytes, changed, mask_bytes, tail = _PREAMBLE.unpack(raw[: _PREAMBLE.size])
     if magic != MAGIC or fmt != FORMAT:
         raise DeltaError(f"not a refit delta (magic {magic:#x}, format {fmt})")
     return base, nbytes, changed, mask_bytes, tail
 
 
+def _count_on_device(delta: torch.Tensor, target: torch.Tensor) -> tuple | None:
+    """On CUDA, where `delta`'s size fits a delta of `target`'s size: (its preamble's bytes,
+    the words its bitmask marks, the marks past the last word, and for the rebuild each
+    block's marked words and their running total), read back in one host sync before any
+    check; else None."""
+    if not delta_kernel.available(delta.device) or target.device != delta.device:
+        return None
+    words = target.numel() // 2
+    spare = delta.numel() - delta_bytes(target.numel(), 0)
+    if not words or spare < 0 or spare % 2 or target.dtype != torch.uint8:
+        return None
+    raw, counts, ends = delta_kernel.count(delta, words)
+    marked, last = struct.unpack_from("<qB", raw, PREAMBLE_BYTES)
+    return raw, marked, last >> (words % 8) if words % 8 else 0, (counts, ends)
+
+
 def apply(delta: torch.Tensor, target: torch.Tensor, base_version: int) -> int:
     """Rebuild the new payload in `target` (the base, uint8, same device) in place; returns
     the number of changed words. Every check comes before the first write."""
-    base, nbytes, changed, mask_bytes, tail = read_preamble(delta)
+    counted = _count_on_device(delta, target)
+    if counted is None:
+        base, nbytes, changed, mask_bytes, tail = read_preamble(delta)
+    else:
+        base, nbytes, changed, mask_bytes, tail = _parse(counted[0])
     where = f"a delta on v{base} of {nbytes} bytes"
     if base != base_version:
         raise DeltaError(f"{where} cannot apply: this receiver holds v{base_version}")
@@ -121,11 +149,15 @@ def apply(delta: torch.Tensor, target: torch.Tensor, base_version: int) -> int:
                          f"{changed} changed words and a {mask_bytes}-byte bitmask")
     mask = delta[PREAMBLE_BYTES : PREAMBLE_BYTES + mask_bytes]
     values = delta[delta.numel() - 2 * changed :].view(torch.int16)
-    beyond = int(mask[-1]) >> (words % 8) if words % 8 else 0  # marks past the last word
-    if delta_kernel.available(delta.device):
-        firsts, marked = delta_kernel.count(mask, words)
+    if counted is None:
+        beyond = int(mask[-1]) >> (words % 8) if words % 8 else 0  # marks past the last word
+    if counted is not None:
+        marked, beyond, (counts, ends) = counted[1:]
         if marked == changed and not beyond:
-            delta_kernel.rebuild(_words(target), mask, firsts, values)
+            delta_kernel.rebuild(_words(target), mask, counts, ends, values)
+    elif delta_kernel.available(delta.device):  # the sizes fit, so only the place differs
+        raise DeltaError(f"{where} on {delta.device} cannot apply to a target on "
+                         f"{target.device}")
     elif delta.device.type == "cpu" and (module := native.load()):
         marked = module.delta_count(mask)
         if marked == changed and not beyond:

@@ -11,18 +11,25 @@ each worker loaded) and answer with equal greedy tokens and logprobs. Models: Qw
 
 from __future__ import annotations
 
+import multiprocessing as mp
+
 import pytest
 from safetensors.torch import load_file
 
+from common.broadcast import RefitSender
 from common.clients.engine_client import EngineError
 from common.clients.local_engine import LocalEngine
 from common.engine_config import EngineConfig
 from common.errors import RefitError
+from common.plan import RefitPlan
+from common.source import DictWeightSource
+from common.wire.group import RefitGroup, free_port
 from tests.dtensor.shard import Case
 from tests.dtensor_vllm.harness import initial_checkpoint
 from tests.dtensor_vllm.helpers import (
     LLM_KWARGS,
     DriftAt,
+    KillingSource,
     greedy,
     join_one_trainer,
     perturb,
@@ -146,3 +153,65 @@ def test_rollback_refused_without_a_base_says_why(pair) -> None:
     failed = first["failed"]
     assert failed is not None and failed[0] == 1, first
     assert "not rolled back" in failed[1] and "no complete base yet" in failed[1], failed
+
+
+def _dying_trainer(port: int, world: int, state: dict, config, version: int) -> None:
+    """Trainer rank 1 (it sources nothing): takes part in refit `version`, dies 3 s in."""
+    import os
+    import threading
+
+    group = RefitGroup(host="127.0.0.1", port=port, rank=1, world_size=world, num_trainers=2,
+                       timeout_s=config.timeout_s, device="cpu")
+    sender = RefitSender.setup(group, RefitPlan.build(DictWeightSource(state).plan_specs(),
+                                                      config))
+    threading.Timer(3.0, os._exit, (1,)).start()
+    sender.refit(DictWeightSource(state), version)
+
+
+def _group_with_two_trainers(delta, port: int):
+    """The delta engine rejoins a group of this process + a second trainer process."""
+    fleet = delta.fleet
+    joining = fleet.join_async("127.0.0.1", port, 2, timeout_s=60)
+    group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=fleet.world_size(2),
+                       num_trainers=2, timeout_s=60, device="cpu",
+                       rank_names=fleet.rank_names(2))
+    return joining, group
+
+
+def test_rollback_when_a_trainer_dies_after_buckets_landed(pair) -> None:
+    """A second trainer joins; it dies 3 s into a refit whose buckets arrive slowly (some
+    landed): the engine rolls back and serves its last version (base hash, tokens); rebuilt
+    with this trainer alone (shadows and base carried over), the next refit goes as deltas
+    and equals the full engine."""
+    arch, delta, full, _ = pair
+    if arch != "qwen3":
+        pytest.skip("one model is enough for the rollback")
+    engine, plan = _engine(delta), delta.sender.plan
+    held, before, served = int(engine.weight_version()), _report(delta)["base_hash"], \
+        greedy(engine)
+    port, nxt = free_port(), dict(delta.source.tensors)
+    perturb(nxt, 2000)
+    child = mp.get_context("spawn").Process(  # first: joining the group waits for every rank
+        target=_dying_trainer,
+        args=(port, delta.fleet.world_size(2), nxt, plan.config, held + 1))
+    child.start()
+    joining, group = _group_with_two_trainers(delta, port)
+    sender = RefitSender.setup(group, plan)
+    joining.result(60)
+    sender.keep_shadows_of(delta.sender)
+    slow = KillingSource(nxt, None, after=0, delay_s=0.25)
+    with pytest.raises(RefitError):
+        delta.fleet.refit(lambda: sender.refit(slow, held + 1), held + 1, group=group)
+    child.join(30)
+    group.destroy()
+    assert engine.failed is None and engine.weight_version() == str(held)
+    report = _report(delta)
+    assert report["rolled_back"]["frames"] >= 1 and report["base_hash"] == before, report
+    assert greedy(engine) == served
+    rebuilt = join_one_trainer([engine], dict(full.source.tensors), delta=True,
+                               undo_bytes=64 << 20, checksum=True)
+    rebuilt.sender.keep_shadows_of(sender)
+    delta.group, delta.sender, delta.source = rebuilt.group, rebuilt.sender, rebuilt.source
+    stats = _step(delta, full, held + 1)
+    assert next(iter(stats.receivers.values()))["delta_frames"] > 0
+    _assert_equal(delta, full)
