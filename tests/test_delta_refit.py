@@ -10,11 +10,13 @@ buckets, 0-d, empty and non-contiguous tensors.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import numpy as np
 import torch
 
 from common.broadcast import RefitReceiver, RefitSender
+from common.delta_frames import DELTA
 from common.errors import RefitError
 from common.plan import RefitPlan
 from common.wire.group import RefitGroup
@@ -61,15 +63,31 @@ class Checker:
         self.checked += 1
 
 
-def delta_rank(rank: int, world: int, port: int, fail_at: int | None = None) -> dict:
-    """Refits v1..v4; with `fail_at`, rank 4's loader fails at that version's third frame."""
+class DamagingReceiver(RefitReceiver):
+    """Adds one to the changed-word count in the preamble of the delta frames of
+    `damage_version` as they land (a malformed delta, not caught by a checksum here)."""
+
+    damage_version = -1
+
+    def verify_bytes(self, bucket, header, payload, *args, **kwargs):
+        if header.version == self.damage_version and header.kind == DELTA:
+            payload[24] += 1  # the preamble's changed-word count (little-endian, low byte)
+        return super().verify_bytes(bucket, header, payload, *args, **kwargs)
+
+
+def delta_rank(rank: int, world: int, port: int, fail_at: int | None = None,
+               fault: str = "loader", **config: object) -> dict:
+    """Refits v1..v4 (`config`: RefitConfig fields over DELTA_CONFIG's); with `fail_at`, rank
+    4 fails that version: its loader at the third frame ("loader"), or its delta frames arrive
+    malformed ("malformed")."""
     torch.set_num_threads(1)
+    config = dataclasses.replace(DELTA_CONFIG, **config)
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world, device="cpu",
-                       num_trainers=TRAINERS, timeout_s=DELTA_CONFIG.timeout_s)
+                       num_trainers=TRAINERS, timeout_s=config.timeout_s)
     versions = (1, 2, 3, 4)
     if group.is_trainer:
         source = TwoSources(version_tensors(1))
-        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), DELTA_CONFIG))
+        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
         out = {}
         for version in versions:
             try:
@@ -80,29 +98,37 @@ def delta_rank(rank: int, world: int, port: int, fail_at: int | None = None) -> 
             out[version] = {r: (t["need_set"], t["wire_bytes"], t["delta_frames"])
                             for r, t in stats.receivers.items()}
         return out
-    receiver = RefitReceiver.setup(group)
+    receiver = DamagingReceiver.setup(group)
     if rank in (2, 3, 4):
         receiver.needs = needs_for(receiver.plan, int(rank == 4))
-    out = {}
-    for version in versions:
-        check = Checker(receiver, version_tensors(version))
-        on_bucket, on_compact = check.whole, check.compact
-        if version == fail_at and rank == 4:
-            def on_compact(index: int, payload: torch.Tensor, check: Checker = check) -> None:
-                if check.checked == 2:
-                    raise RuntimeError("injected loader failure")
-                check.compact(index, payload)
+    if rank == 4 and fault == "malformed":
+        receiver.damage_version = fail_at
+    return {version: receive_version(receiver, version, fail_at == version and rank == 4
+                                     and fault == "loader") for version in versions}
+
+
+def receive_version(receiver: RefitReceiver, version: int, fail: bool) -> dict:
+    """One refit, checked bit for bit; after a failure, the rollback checked against the
+    last version (or its refusal)."""
+    check = Checker(receiver, version_tensors(version))
+    on_bucket, on_compact = check.whole, check.compact
+    if fail:
+        def on_compact(index: int, payload: torch.Tensor, check: Checker = check) -> None:
+            if check.checked == 2:
+                raise RuntimeError("injected loader failure")
+            check.compact(index, payload)
+    try:
+        stats = receiver.receive(on_bucket, on_compact=on_compact, version=version)
+    except RefitError as e:
+        back = Checker(receiver, version_tensors(version - 1))
         try:
-            stats = receiver.receive(on_bucket, on_compact=on_compact, version=version)
-        except RefitError as e:
-            back = Checker(receiver, version_tensors(version - 1))
-            out[version] = {"failed": str(e), "applied": check.checked,
-                            "rolled_back": receiver.roll_back(back.whole, back.compact),
-                            "checked_back": back.checked}
-            continue
-        out[version] = {"need_set": stats.need_set, "checked": check.checked,
-                        "wire": stats.wire_bytes, "delta_frames": stats.delta_frames}
-    return out
+            rolled = receiver.roll_back(back.whole, back.compact)
+        except RefitError as refused:
+            rolled = str(refused)
+        return {"failed": str(e), "applied": check.checked, "rolled_back": rolled,
+                "checked_back": back.checked}
+    return {"need_set": stats.need_set, "checked": check.checked,
+            "wire": stats.wire_bytes, "delta_frames": stats.delta_frames}
 
 
 def test_delta_refits_bit_for_bit_with_a_fraction_of_the_bytes() -> None:
@@ -128,3 +154,26 @@ def test_rollback_after_a_loader_failure_then_the_next_delta_lands() -> None:
         assert failed["rolled_back"] >= 1 and failed["checked_back"] >= failed["applied"]
         after = res[rank][4]  # v4 goes as deltas against v2, the version every rank holds
         assert after["delta_frames"] > 0 and after["checked"] > 0, after
+
+
+def test_rollback_refused_when_the_undo_log_outgrew_its_budget() -> None:
+    """A 64-byte undo log: the failed v3 cannot be undone, each worker says why; the base is
+    forgotten, so v4 goes whole and lands."""
+    res = expect_ok(run_ranks(partial(delta_rank, undo_bytes=64), WORLD, 3, "loader"))
+    for rank in (2, 3, 4, 5):
+        refused = res[rank][3]["rolled_back"]
+        assert "cannot roll back" in refused and "budget of 64 bytes" in refused, refused
+        assert res[rank][4]["delta_frames"] == 0 and res[rank][4]["checked"] > 0, res[rank][4]
+
+
+def test_delta_a_malformed_delta_is_refused_naming_the_bucket_and_rolled_back() -> None:
+    """Rank 4's delta frames of v3 arrive malformed (no checksum): it refuses the first
+    before writing a byte, naming the bucket and its first tensor; every rank fails v3,
+    every worker rolls back to v2 and v4 lands as deltas."""
+    res = expect_ok(run_ranks(partial(delta_rank, checksum=False), WORLD, 3, "malformed"))
+    failed = res[4][3]["failed"]
+    assert "its delta was refused, nothing of it loaded" in failed, failed
+    assert "malformed or truncated" in failed and "bucket 0 ('" in failed, failed
+    for rank in (2, 3, 4, 5):
+        assert isinstance(res[rank][3]["rolled_back"], int), res[rank][3]
+        assert res[rank][4]["delta_frames"] > 0, res[rank][4]
