@@ -24,11 +24,19 @@ bytes, and the pack one copy of the bytes (`wire_times`).
 
     .venv/bin/python bench/delta_bench.py --quick --out bench/results/delta_training_cpu_quick.json
 
+`--models` (CPU, a result file of its own, 70-90 s on 2 cores) runs the refit part alone
+(`delta_refit_bench_parts`): the Qwen3-30B-A3B-shaped list refit over a real gloo group by
+one trainer and a receiver process, delta against full at 3% and 15% of the elements changed
+per version, and the undo log's cost (that module's doc says what each figure is).
+
+    .venv/bin/python bench/delta_bench.py --models --out bench/results/delta_models_cpu.json
+
 Last line: one JSON object with the figures.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import tempfile
@@ -296,7 +304,15 @@ def training_summary(training: dict) -> dict:
 
 
 def main() -> None:
+    pre = argparse.ArgumentParser(add_help=False)  # bench_args knows --quick, --gpu, --out
+    pre.add_argument("--models", action="store_true")
+    models, sys.argv[1:] = pre.parse_known_args()
     args = bench_args(__doc__, "on the CUDA device (the 7.86 GB list)")
+    if models.models:
+        from delta_refit_bench_parts import bench_models
+
+        finish(*bench_models(), args.out)
+        return
     device = torch.device("cuda" if args.gpu else "cpu")
     tensors = 20_000 if args.gpu else 1_000
     reps = 3 if args.quick else 10
