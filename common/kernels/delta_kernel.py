@@ -33,8 +33,8 @@ except ImportError:  # pragma: no cover - machines without Triton use the torch 
 
 BLOCK = 4096  # words per block (a multiple of 128: the blocks cover the padding to 16 B)
 WARPS = 4  # of the compare and scatter passes
-MOVE_CHUNK = 256  # staged words a pass-2 step moves
-MOVE_BLOCKS = 8  # blocks per pass-2 program
+MOVE_CHUNK = 256  # staged words of each block a pass-2 step moves
+MOVE_BLOCKS = 16  # blocks per pass-2 program
 COUNT_BLOCKS = 8  # blocks per count program
 PREAMBLE_BYTES = 64
 
@@ -51,34 +51,37 @@ if triton is not None:
 
     @triton.jit
     def _compare(new, base, mask, counts, staged, n_words, n_pad, BLOCK: tl.constexpr):
+        """Words as (BLOCK // 8, 8): a row per bitmask byte; a word's rank among the block's
+        changed words is the changed words of the rows before and of its row before it."""
         block = tl.program_id(0).to(tl.int64)
-        offs = block * BLOCK + tl.arange(0, BLOCK)
+        r = tl.arange(0, BLOCK // 8)
+        j = tl.arange(0, 8)
+        offs = block * BLOCK + r[:, None] * 8 + j[None, :]
         inb = offs < n_words
         a = tl.load(new + offs, mask=inb, other=0)
         b = tl.load(base + offs, mask=inb, other=0)
-        d = (a != b) & inb
-        di = d.to(tl.int32)
-        byte = tl.sum(tl.reshape(di, (BLOCK // 8, 8)) << tl.arange(0, 8)[None, :], axis=1)
-        boffs = block * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+        d = ((a != b) & inb).to(tl.int32)
+        boffs = block * (BLOCK // 8) + r
+        byte = tl.sum(d << j[None, :], axis=1)
         tl.store(mask + boffs, byte.to(tl.uint8), mask=boffs < n_pad)  # the padding too
-        tl.store(counts + block, tl.sum(di, axis=0))
-        tl.store(staged + (block * BLOCK + tl.cumsum(di, axis=0) - 1), a, mask=d)
+        row = tl.sum(d, axis=1)
+        tl.store(counts + block, tl.sum(row, axis=0))
+        rank = (tl.cumsum(row, axis=0) - row)[:, None] + tl.cumsum(d, axis=1) - 1
+        tl.store(staged + (block * BLOCK + rank), a, mask=d != 0)
 
     @triton.jit(do_not_specialize=["base_version", "n_bytes", "n_mask"])
     def _place(staged, counts, ends, values, tail, head, n_blocks, base_version, n_bytes,
                n_mask, HEAD0: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK: tl.constexpr,
                BLOCKS: tl.constexpr, CHUNK: tl.constexpr):
         pid = tl.program_id(0)
-        k = tl.arange(0, CHUNK)
-        for i in range(BLOCKS):
-            block = pid.to(tl.int64) * BLOCKS + i
-            if block < n_blocks:
-                c = tl.load(counts + block)
-                first = tl.load(ends + block) - c
-                for lo in range(0, c, CHUNK):
-                    m = lo + k < c
-                    v = tl.load(staged + (block * BLOCK + lo + k), mask=m)
-                    tl.store(values + (first + lo + k), v, mask=m)
+        rows = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        c = tl.load(counts + rows, mask=rows < n_blocks, other=0)
+        first = tl.load(ends + rows, mask=rows < n_blocks, other=0) - c
+        for lo in range(0, tl.max(c, axis=0), CHUNK):
+            k = lo + tl.arange(0, CHUNK)[None, :]
+            m = k < c[:, None]
+            v = tl.load(staged + (rows[:, None] * BLOCK + k), mask=m)
+            tl.store(values + (first[:, None] + k), v, mask=m)
         if pid == tl.num_programs(0) - 1:  # the preamble
             w = tl.arange(0, 8)
             total = tl.load(ends + (n_blocks - 1))
@@ -137,7 +140,8 @@ def encode(new: torch.Tensor, base: torch.Tensor, head0: int, base_version: int,
     _place[(-(-blocks // MOVE_BLOCKS),)](
         staged, counts, ends, scratch[start : start + 2 * words].view(torch.int16),
         new[n - 1 :] if n % 2 else new, head, blocks, base_version, n, mask_bytes,
-        HEAD0=head0, HAS_TAIL=n % 2 == 1, BLOCK=BLOCK, BLOCKS=MOVE_BLOCKS, CHUNK=MOVE_CHUNK)
+        HEAD0=head0, HAS_TAIL=n % 2 == 1, BLOCK=BLOCK, BLOCKS=MOVE_BLOCKS, CHUNK=MOVE_CHUNK,
+        num_warps=4)
     return scratch, int(head[3])
 
 
