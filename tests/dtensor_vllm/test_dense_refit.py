@@ -99,12 +99,7 @@ def test_fsdp_x_tp_trainers_refit_both_engines_like_a_fresh_engine(engines, tmp_
     case = Case("qwen3", dp=2, tp=2, model_dtype=torch.float32)  # 4 trainer ranks, 2 x 2 mesh
     results, answers = refit_round(engines, case, "ok", [6], tmp_path)
     assert all(v == [("ok", 6)] for v in results.values()), results
-    want = expected_params(tmp_path / "v6")
-    with start_engine(str(tmp_path / "v6")) as fresh:
-        ref = greedy(fresh)
-    for engine in engines:
-        assert compare_params(engine.read(), want) >= 10
-        assert greedy(engine) == ref
+    _assert_like_a_fresh_engine(engines, tmp_path / "v6")
 
 
 def test_delta_fsdp_training_steps_refit_both_engines_like_a_fresh_engine(engines, tmp_path):
@@ -115,8 +110,14 @@ def test_delta_fsdp_training_steps_refit_both_engines_like_a_fresh_engine(engine
     for value in results.values():
         assert [v[:2] for v in value] == [("ok", 7), ("ok", 8), ("ok", 9)], value
         assert value[0][2] == 0 and value[2][2] > 0, value  # delta frames, both engines
-    want = expected_params(tmp_path / "v9")
-    with start_engine(str(tmp_path / "v9")) as fresh:
+    _assert_like_a_fresh_engine(engines, tmp_path / "v9")
+
+
+def _assert_like_a_fresh_engine(engines, checkpoint) -> None:
+    """Every engine: readable params bit for bit as `checkpoint`, and the greedy tokens and
+    logprobs of a fresh engine started on it."""
+    want = expected_params(checkpoint)
+    with start_engine(str(checkpoint)) as fresh:
         ref = greedy(fresh)
     for engine in engines:
         assert compare_params(engine.read(), want) >= 10
