@@ -90,7 +90,22 @@ class RefitSender(Endpoint):
         return table.view(-1, HEADER_BYTES).to(self.group.device), rows
 
     def refit(self, source: WeightSource, version: int) -> RefitStats:
-        """Send one complete set of weights, tagged `version`; returns this rank's stats."""
+        """Send one complete set of weights, tagged `version`; returns this rank's stats.
+        With deltas on, the shadows take this version only if it landed on every rank."""
+        try:
+            stats = self._refit(source, version)
+        except BaseException:
+            if self.shadows is not None:
+                self.shadows.abort()  # the engines hold (or rolled back to) the last version
+            raise
+        if self.shadows is not None:
+            t0 = time.perf_counter()
+            self.shadows.commit(version)
+            stats.delta_s += time.perf_counter() - t0
+            stats.seconds += time.perf_counter() - t0
+        return stats
+
+    def _refit(self, source: WeightSource, version: int) -> RefitStats:
         plan, group = self.plan, self.group
         stats = RefitStats(version, len(plan.buckets), plan.total_bytes)
         t0 = time.perf_counter()
@@ -108,7 +123,6 @@ class RefitSender(Endpoint):
         # the other training ranks (they reach the same state at their own next wait).
         dead: RefitCommError | None = None
         for bucket in plan.buckets:
-            slot = bucket.index % self.num_buffers
             for key in self._slots(bucket, routes[bucket.index]):
                 dead = dead or self._settle(pending.pop(key, []), stats)
                 held.pop(key, None)
@@ -123,43 +137,42 @@ class RefitSender(Endpoint):
                 except Exception as e:  # noqa: BLE001 - the source is broken: stop iterating
                     error, it = error or e, None
                 stats.produce_s += time.perf_counter() - t1
-            if dead is not None:
-                continue
-            t1 = time.perf_counter()
-            for route in routes[bucket.index]:
-                key = (route.set_index, slot)
-                if route.set_index in modes:
-                    try:  # a frame another trainer sources waits for its header here
-                        pending[key], held[key], error = self._send_delta(
-                            bucket, version, tensors, ptrs, error, route,
-                            modes[route.set_index], stats)
-                    except RefitCommError as e:
-                        dead = e
-                        break
-                    continue
-                pending[key], held[key], error = self._send(bucket, version, tensors, ptrs,
-                                                            error, table, route)
-            stats.pack_s += time.perf_counter() - t1
+            if dead is None:
+                frame = (bucket, version, tensors, ptrs)
+                error, dead = self._send_frames(frame, routes[bucket.index], modes, table,
+                                                pending, held, error, stats)
             del tensors
         for works in pending.values():
             dead = dead or self._settle(works, stats)
         stats.send_s = time.perf_counter() - t0
         if dead is not None:
-            if self.shadows is not None:
-                self.shadows.abort()
             raise dead  # no status exchange over a dead group
         if it is not None and error is None and next(it, None) is not None:
             error = RefitError(f"{group.label}: weight source yields more tensors than the plan's "
                                f"{len(plan.specs)}")
-        try:
-            stats = self.finish(stats, error, t0)
-        except BaseException:
-            if self.shadows is not None:
-                self.shadows.abort()  # the engines hold (or rolled back to) the last version
-            raise
-        if self.shadows is not None:
-            self.shadows.commit(version)
-        return stats
+        return self.finish(stats, error, t0)
+
+    def _send_frames(self, frame: tuple, routes: list[Route], modes: dict[int, int], table,
+                     pending: dict, held: dict, error, stats: RefitStats,
+                     ) -> tuple[BaseException | None, RefitCommError | None]:
+        """Start one bucket's frames (`frame`: bucket, version, tensors, pointers), one per
+        route; a delta-mode frame's time goes to `delta_s`, a whole frame's to `pack_s`.
+        Returns the refit's error and, if the group died, its error."""
+        bucket, version, tensors, ptrs = frame
+        for route in routes:
+            key, t1 = (route.set_index, bucket.index % self.num_buffers), time.perf_counter()
+            if route.set_index not in modes:
+                pending[key], held[key], error = self._send(bucket, version, tensors, ptrs,
+                                                            error, table, route)
+                stats.pack_s += time.perf_counter() - t1
+                continue
+            try:  # a frame another trainer sources waits for its header here
+                pending[key], held[key], error = self._send_delta(
+                    bucket, version, tensors, ptrs, error, route, modes[route.set_index])
+            except RefitCommError as e:
+                return error, e
+            stats.delta_s += time.perf_counter() - t1
+        return error, None
 
     def _slots(self, bucket: Bucket, routes: list[Route]) -> list[tuple[int, int]]:
         """The (need-set, slot) buffers whose collectives must end before `bucket` is packed:
@@ -218,8 +231,7 @@ class RefitSender(Endpoint):
         return self.frame(bucket, route, slot)[1]
 
     def _send_delta(self, bucket: Bucket, version: int, tensors: list, ptrs, error,
-                    route: Route, base: int, stats: RefitStats,
-                    ) -> tuple[list, object, BaseException | None]:
+                    route: Route, base: int) -> tuple[list, object, BaseException | None]:
         """One frame of a need-set in delta mode (`common.delta_frames`): its source packs,
         encodes and sends it; the other trainers take part."""
         what = (f"refit v{version} bucket {bucket.index}/{len(self.plan.buckets)} to need-set "
@@ -227,15 +239,12 @@ class RefitSender(Endpoint):
         if self.group.rank != bucket.source_rank:
             works, held = self.shadows.pass_on(bucket, route, what)
             return works, held, error
-        payload = None
-        t0 = time.perf_counter()
         if error is None:
             try:
                 payload = self._pack(bucket, route, tensors, ptrs)
                 works, held = self.shadows.send(bucket, route,
                                                 self.header(bucket, version, None, route),
                                                 payload, base)
-                stats.delta_s += time.perf_counter() - t0
                 return works, held, error
             except Exception as e:  # noqa: BLE001 - reported to every rank
                 error = RefitError(f"{self.group.label}: packing or encoding {what} failed: "

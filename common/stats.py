@@ -22,7 +22,8 @@ class RefitStats:
     post_s: float = 0.0  # receiver: what runs after the last bucket (post-load processing)
     buckets_loaded: int = 0  # buckets handed to the receiver callback
     checksum_s: float = 0.0  # receiver: checking the received bytes against the sender's
-    delta_s: float = 0.0  # encoding deltas (sender), rebuilding frames from them (receiver)
+    delta_s: float = 0.0  # sender: delta-mode frames (pack + encode + send) and the shadows'
+    # commit (`pack_s` is whole frames alone); receiver: rebuilding frames from deltas
     delta_frames: int = 0  # receiver: frames that arrived as deltas
     wire_bytes: int = 0  # this rank's bytes sent or received by the refit's broadcasts
     need_set: int = -1  # receiver: its need-set in this refit (-1: whole buckets to everyone)

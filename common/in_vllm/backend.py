@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-from vllm.distributed.parallel_state import get_world_group
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -41,8 +40,8 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 
 from common.broadcast import RefitReceiver
 from common.checkpoint import checkpoint_tensors, plan_problems
-from common.errors import ROLLED_BACK, NeedsRefusedError, RefitError
-from common.in_vllm import loaded_hash
+from common.errors import ROLLED_BACK, NeedsRefusedError
+from common.in_vllm import loaded_hash, undo
 from common.in_vllm.apply import DirectLoad, learn
 from common.in_vllm.load_map import CopyRecorder
 from common.in_vllm.map_check import (
@@ -115,7 +114,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                            name=init_info.group_name)
         try:
             self.receiver = RefitReceiver.setup(group, check=self._check_plan,
-                                                base_place=_base_place(self.device))
+                                                base_place=undo.base_place(self.device))
         except Exception:
             group.destroy()
             raise
@@ -187,17 +186,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         self._open_reload(direct)
         finalized = False
 
-        def on_bucket(items: list[tuple[str, torch.Tensor]]) -> None:
-            if direct is not None:
-                loaded.update(direct.load(self._bucket_of[items[0][0]], items, self._load))
-            else:
-                if kept is not None:
-                    index = self._bucket_of[items[0][0]]
-                    kept.keep(index, items, receiver.plan.buckets[index].nbytes)
-                loaded.update(self._load(items, recorder))
-
-        def on_compact(index: int, payload: torch.Tensor) -> None:
-            loaded.update(direct.load_compact(index, payload, receiver.plan, self._load))
+        on_bucket, on_compact = self._loaders(direct, loaded, recorder, kept)
 
         def finalize() -> None:  # before the status exchange: its failure reaches every rank
             nonlocal finalized
@@ -233,41 +222,52 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                 self._close_reload(loaded, version)
         if failure is not None:
             self._roll_back(failure, direct, version)
-        self._report_base()  # committed with the status exchange
+        if receiver.base is not None:  # committed with the status exchange
+            self.apply_report.update(undo.base_report(receiver.base))
         self.last_version, self.landed = version, True
         self._report_landed(version, direct, stats, t0)
+
+    def _loaders(self, direct: DirectLoad | None, loaded: set[str],
+                 recorder: CopyRecorder | None = None, kept: Kept | None = None) -> tuple:
+        """The receiver's callbacks for whole buckets and compact frames: through the map, or
+        `load_weights` (watched by `recorder`, its bytes `kept` for the map's check)."""
+        plan = self.receiver.plan
+
+        def on_bucket(items: list[tuple[str, torch.Tensor]]) -> None:
+            index = self._bucket_of[items[0][0]]
+            if direct is not None:
+                loaded.update(direct.load(index, items, self._load))
+                return
+            if kept is not None:
+                kept.keep(index, items, plan.buckets[index].nbytes)
+            loaded.update(self._load(items, recorder))
+
+        def on_compact(index: int, payload: torch.Tensor) -> None:
+            loaded.update(direct.load_compact(index, payload, plan, self._load))
+
+        return on_bucket, on_compact
 
     def _roll_back(self, failure: Exception, direct: DirectLoad | None, version: int) -> None:
         """A failed refit: re-apply the last complete version's bytes of every frame it
         applied (the receiver's undo log) and redo vLLM's post-load processing; raise the
         refit's error saying whether every worker of this engine rolled back."""
-        label, t0, why = self.receiver.group.label, time.perf_counter(), None
-        loaded: set[str] = set()
+        t0, why, loaded = time.perf_counter(), None, set()
         try:
             self._open_reload(direct)
             try:
-                count = self.receiver.roll_back(
-                    lambda items: loaded.update(
-                        direct.load(self._bucket_of[items[0][0]], items, self._load)
-                        if direct is not None else self._load(items)),
-                    lambda index, payload: loaded.update(
-                        direct.load_compact(index, payload, self.receiver.plan, self._load)))
+                count = self.receiver.roll_back(*self._loaders(direct, loaded))
             finally:
-                finalize_layerwise_reload(self.model, self.model_config)
-                self.fixes.after_load(loaded)
-            if direct is not None and direct.hashes is not None:
-                direct.hash_copy_layers()
+                self._end_reload(loaded)
         except Exception as e:  # noqa: BLE001 - the refit's own error is raised below
             why = f"{type(e).__name__}: {e}"
-        if _engine_agrees(why is None):
-            log.warning("%s: refit v%d failed; rolled back %d frames to v%s in %.1f ms", label,
-                        version, count, self.last_version, (time.perf_counter() - t0) * 1e3)
-            self.apply_report["rolled_back"] = {"version": version, "frames": count}
-            self._report_base()
-            raise RefitError(f"{failure}; {ROLLED_BACK} (v{self.last_version})") from failure
-        note = why or "another worker of this engine could not roll back"
-        log.error("%s: refit v%d failed and was not rolled back: %s", label, version, note)
-        raise RefitError(f"{failure}; not rolled back: {note}") from failure
+        error = undo.engine_verdict(failure, why, self.last_version)
+        if ROLLED_BACK in str(error):
+            log.warning("%s: refit v%d failed; rolled back %d frames to v%s in %.1f ms",
+                        self.receiver.group.label, version, count, self.last_version,
+                        (time.perf_counter() - t0) * 1e3)
+            self.apply_report.update(undo.base_report(self.receiver.base),
+                                     rolled_back={"version": version, "frames": count})
+        raise error from failure
 
     def _open_reload(self, direct: DirectLoad | None) -> None:
         """vLLM's reload for this refit: the learned map's layers (hashing what they load
@@ -278,26 +278,17 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         direct.hashes = loaded_hash.LoadedHashes() if loaded_hash.enabled() else None
         direct.begin()
 
+    def _end_reload(self, loaded: set[str]) -> None:
+        """Finalise vLLM's reload session and redo what it skips for the `loaded` params."""
+        finalize_layerwise_reload(self.model, self.model_config)
+        self.fixes.after_load(loaded)
+
     def _close_reload(self, loaded: set[str], version: int) -> None:
         """Close the reload session of a refit that failed before its own finalisation."""
         try:
-            finalize_layerwise_reload(self.model, self.model_config)
-            self.fixes.after_load(loaded)
+            self._end_reload(loaded)
         except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
             log.exception("closing the reload session of failed refit v%d", version)
-
-    def _report_base(self) -> None:
-        """The base's memory (and, with REFIT_HASH_LOADED=1, a hash of its bytes: the
-        model-format bytes this worker holds) in the apply report."""
-        base = self.receiver.base
-        if base is None:
-            return
-        self.apply_report["base_bytes"] = base.nbytes()
-        if loaded_hash.enabled():
-            hashes = loaded_hash.LoadedHashes()
-            for index, entry in sorted(base.entries.items()):
-                hashes.add(str(index), entry)
-            self.apply_report["base_hash"] = hashes.digest()
 
     def _drop_refused_map(self, error: NeedsRefusedError) -> None:
         """The trainers refused this worker's needs: drop its map, so the next refit takes
@@ -456,25 +447,6 @@ def _shard_to_shard() -> bool:
     """REFIT_SHARD_TO_SHARD (default 1): report this worker's needs once its map is learned
     (where the trainers' plan allows it, `RefitConfig.shard_to_shard`); 0: take every byte."""
     return os.environ.get("REFIT_SHARD_TO_SHARD", "1") != "0"
-
-
-def _base_place(device: torch.device) -> torch.device:
-    """REFIT_BASE_PLACE: where this worker keeps its base (`RefitConfig.delta` / `undo_bytes`):
-    "device" (default) or "host" (host memory: frees device memory, a copy per frame)."""
-    place = os.environ.get("REFIT_BASE_PLACE", "device")
-    if place not in ("device", "host"):
-        raise ValueError(f"REFIT_BASE_PLACE={place!r}: use 'device' or 'host'")
-    return device if place == "device" else torch.device("cpu")
-
-
-def _engine_agrees(mine: bool) -> bool:
-    """Whether every worker of this engine (vLLM's world group) says `mine` is True."""
-    group = get_world_group()
-    if group.world_size == 1:
-        return mine
-    flag = torch.tensor([int(mine)], dtype=torch.int32)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
-    return bool(flag.item())
 
 
 def _verify_map() -> bool:
