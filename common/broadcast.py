@@ -138,10 +138,10 @@ class RefitSender(Endpoint):
                     error, it = error or e, None
                 stats.produce_s += time.perf_counter() - t1
             if dead is None:
-                frame = (bucket, version, tensors, ptrs)
-                error, dead = self._send_frames(frame, routes[bucket.index], modes, table,
+                error, dead = self._send_frames((bucket, version, tensors, ptrs),
+                                                routes[bucket.index], modes, table,
                                                 pending, held, error, stats)
-            del tensors
+            del tensors, ptrs  # the source's copies go before the next bucket is gathered
         for works in pending.values():
             dead = dead or self._settle(works, stats)
         stats.send_s = time.perf_counter() - t0
