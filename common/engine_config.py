@@ -48,6 +48,15 @@ class EngineConfig:
                 * int(self.llm_kwargs.get("data_parallel_size", 1)))
 
 
+def worker_env(config: Any) -> dict[str, str]:
+    """The refit backend's settings of an engine's workers (`EngineConfig` or
+    `common.clients.serve.ServeConfig`), as the environment variables the workers read."""
+    return {"REFIT_APPLY": config.apply,
+            "REFIT_SHARD_TO_SHARD": str(int(config.shard_to_shard)),
+            "REFIT_HASH_LOADED": str(int(config.hash_loaded)),
+            "REFIT_BASE_PLACE": config.base_place}
+
+
 def cpu_bind_mask(workers: int, threads: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for `workers` local CPU workers ([DP, PP, TP] order):
     `threads` consecutive allowed cores each, wrapping around when there are fewer cores.

@@ -27,7 +27,8 @@ def encode_status(error: str, times: dict[str, float], verdict: bool = False) ->
     """A rank's end-of-refit record: its error ("" if none), its own timings and (rank 0)
     whether a verdict follows the commit, as JSON that fits the status slot (the error text
     is cut to fit)."""
-    record = {"times": {k: round(v, 6) for k, v in times.items()}, "error": error,
+    record = {"times": {k: round(v, 6) if isinstance(v, float) else v
+                        for k, v in times.items()}, "error": error,
               "verdict": verdict}
     while len(raw := json.dumps(record).encode()) > STATUS_BYTES:
         record["error"] = record["error"][: -(len(raw) - STATUS_BYTES) - 3]
@@ -112,6 +113,8 @@ def exchange_status(group: Transport, stats: RefitStats, error: BaseException | 
              "post_s": stats.post_s, "buckets_loaded": stats.buckets_loaded,
              "wire_bytes": stats.wire_bytes, "need_set": stats.need_set,
              "delta_frames": stats.delta_frames}
+    if stats.loaded_hash and error is None:  # a failed refit's record keeps room for its error
+        times["loaded_hash"] = stats.loaded_hash
     group.refits += 1
     statuses = group.all_gather_bytes(
         encode_status(mine, times, group.rank == 0 and group.verdict_by_caller), STATUS_BYTES,

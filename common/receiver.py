@@ -67,7 +67,7 @@ class RefitReceiver(Endpoint):
         buffers = [*self.buffers, *(b for c in self.compact.values() for b in c.buffers)]
         return any(ptr == b.untyped_storage().data_ptr() for b in buffers)
 
-    def receive(self, on_bucket: BucketCallback, on_done: Callable[[], None] | None = None,
+    def receive(self, on_bucket: BucketCallback, on_done: Callable[[], str | None] | None = None,
                 version: int | None = None, on_compact: CompactCallback | None = None,
                 verify: bool = False) -> RefitStats:
         """Receive one refit; `on_bucket(list of (name, tensor))` is called once per bucket
@@ -80,7 +80,8 @@ class RefitReceiver(Endpoint):
         the remaining buckets are received but not handed over, and every rank raises at the
         end (then `roll_back` can re-apply the last complete version). `on_done()` runs after
         the last bucket (also after a failure: it closes what the loads opened), before the
-        status exchange, so its failure reaches every rank too. `verify`: the trainers
+        status exchange, so its failure reaches every rank too; what it returns (a hash of the
+        bytes the worker loaded) goes to every rank in the status record. `verify`: the trainers
         resend the version this worker holds; it takes whole frames and fails the refit if
         a byte differs from its base.
         """
@@ -313,12 +314,12 @@ class RefitReceiver(Endpoint):
                           f"{checksum.name(self.group.device)} {got:#010x}, the sender's "
                           f"{expected:#010x}; it was not loaded")
 
-    def _run_on_done(self, on_done: Callable[[], None], stats: RefitStats,
+    def _run_on_done(self, on_done: Callable[[], str | None], stats: RefitStats,
                      error: BaseException | None) -> BaseException | None:
         """`on_done()`, timed as loading; the refit's first error (its own, or this one)."""
         t1 = time.perf_counter()
         try:
-            on_done()
+            stats.loaded_hash = on_done() or ""
         except Exception as e:  # noqa: BLE001 - reported to every rank
             if error is None:
                 error = RefitError(f"{self.group.label}: finishing refit v{stats.version} "

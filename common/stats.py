@@ -27,10 +27,12 @@ class RefitStats:
     delta_frames: int = 0  # receiver: frames that arrived as deltas
     wire_bytes: int = 0  # this rank's bytes sent or received by the refit's broadcasts
     need_set: int = -1  # receiver: its need-set in this refit (-1: whole buckets to everyone)
+    loaded_hash: str = ""  # receiver: a hash of the model-format bytes it loaded, if it made one
     role: str = "sender"
     # Each receiving rank's own timings ({"seconds", "wait_s", "load_s", "post_s", "wire_bytes",
-    # "need_set"}), from the status exchange at the end of a refit that landed.
-    receivers: dict[int, dict[str, float]] = field(default_factory=dict)
+    # "need_set", "delta_frames"} and "loaded_hash" where it made one), from the status
+    # exchange at the end of a refit that landed.
+    receivers: dict[int, dict[str, float | str]] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:

@@ -24,7 +24,7 @@ import requests
 
 from common.clients.http_engine import HttpEngine
 from common.clients.local_engine import _LAUNCHER_VARS
-from common.engine_config import cpu_bind_mask
+from common.engine_config import cpu_bind_mask, worker_env
 from common.errors import RefitError
 from common.wire.group import free_port
 
@@ -44,7 +44,8 @@ class ServeConfig:
         cache size skips that check. `gpu_memory_utilization` is used only when it is None.
     threads: OpenMP threads per worker. disable_cpu_amx: REFIT_DISABLE_CPU_AMX=1, which
         `refit_vllm_plugin` applies (VMs advertising AMX without enabling it die of SIGILL).
-    apply: REFIT_APPLY of the workers ("direct" or "load_weights", `EngineConfig.apply`).
+    apply, shard_to_shard, hash_loaded, base_place: the workers' refit settings, as
+        `EngineConfig`'s (`common.engine_config.worker_env`).
     """
 
     model: str
@@ -60,6 +61,9 @@ class ServeConfig:
     threads: int = 1
     disable_cpu_amx: bool = True
     apply: str = "direct"
+    shard_to_shard: bool = True
+    hash_loaded: bool = False
+    base_place: str = "device"
     start_timeout_s: float = 300.0
     call_timeout_s: float = 60.0  # every control call of `client()` (pause, version, ...)
     log_path: str | None = None
@@ -87,7 +91,7 @@ class ServeConfig:
         env.update(VLLM_SERVER_DEV_MODE="1", OMP_NUM_THREADS=str(self.threads),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
                                                             env.get("PYTHONPATH")])),
-                   REFIT_APPLY=self.apply)
+                   **worker_env(self))
         if self.disable_cpu_amx:
             env["REFIT_DISABLE_CPU_AMX"] = "1"
         workers = self.tensor_parallel_size * self.data_parallel_size

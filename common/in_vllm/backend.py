@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -41,18 +40,12 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 from common.broadcast import RefitReceiver
 from common.checkpoint import checkpoint_tensors, plan_problems
 from common.errors import ROLLED_BACK, NeedsRefusedError
-from common.in_vllm import loaded_hash, undo
-from common.in_vllm.apply import DirectLoad, learn
+from common.in_vllm import loaded_hash, map_steps, undo
+from common.in_vllm.apply import DirectLoad
 from common.in_vllm.load_map import CopyRecorder
-from common.in_vllm.map_check import (
-    Kept,
-    changed_params,
-    check_map,
-    readable_params,
-    reload_kept,
-)
+from common.in_vllm.map_check import Kept, changed_params, readable_params
+from common.in_vllm.map_steps import LoadMapSteps
 from common.in_vllm.reload_fixes import ReloadFixes
-from common.kernels import native
 from common.plan import RefitPlan
 from common.stats import RefitStats
 from common.wire.group import RefitGroup
@@ -81,8 +74,9 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
     verify: bool = False  # `version` is the one this engine holds: fail if a param changes
 
 
-class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
-    """Receives refits over the refit group into this worker's model, in place."""
+class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
+    """Receives refits over the refit group into this worker's model, in place (the load
+    map's steps: `common.in_vllm.map_steps`)."""
 
     init_info_cls = RefitInitInfo
     update_info_cls = RefitUpdateInfo
@@ -123,7 +117,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         if self.direct is not None and self.direct.plan_digest != plan.digest:
             self.direct = None  # learned for another plan: the next refit learns again
         if self.direct is None:
-            self.apply_report = {"path": _apply_mode()}
+            self.apply_report = {"path": map_steps.apply_mode()}
         self._report_needs()  # a kept map: its needs hold in the new group from its first refit
         self._index = {spec.name: i for i, spec in enumerate(plan.specs)}
         self.fixes = ReloadFixes(self.model)
@@ -180,7 +174,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         receiver, model, loaded = self.receiver, self.model, set()
         direct, recorder = self._pick_path()
         self._report_needs()
-        kept = Kept(model) if recorder and _verify_map() else None
+        kept = Kept(model) if recorder and map_steps.verify_map() else None
         watch = recorder if recorder is not None else contextlib.nullcontext()
         t0 = time.perf_counter()
         self._open_reload(direct)
@@ -188,7 +182,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
 
         on_bucket, on_compact = self._loaders(direct, loaded, recorder, kept)
 
-        def finalize() -> None:  # before the status exchange: its failure reaches every rank
+        def finalize() -> str | None:  # before the status exchange: a failure reaches all
             nonlocal finalized
             finalized = True
             with watch:
@@ -199,11 +193,13 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                                    f"{missing[0]!r}")
             if recorder is not None:
                 self._learn(recorder, kept)
+            digest = None  # to every rank in the status record
             if direct is not None and direct.hashes is not None:
                 direct.hash_copy_layers()
-                self.apply_report["loaded_hash"] = direct.hashes.digest()
+                digest = self.apply_report["loaded_hash"] = direct.hashes.digest()
             if held is not None:
                 self._check_unchanged(held, loaded, version)
+            return digest
 
         failure: Exception | None = None
         try:
@@ -290,21 +286,6 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
             log.exception("closing the reload session of failed refit v%d", version)
 
-    def _drop_refused_map(self, error: NeedsRefusedError) -> None:
-        """The trainers refused this worker's needs: drop its map, so the next refit takes
-        whole buckets and relearns it."""
-        if self.receiver.group.rank in error.ranks:
-            log.error("%s: the trainers refused this worker's needs; dropping its load map "
-                      "(the next refit relearns it)", self.receiver.group.label)
-            self.direct, self.apply_report = None, {"path": _apply_mode()}
-
-    def _report_needs(self) -> None:
-        """What this worker reads of each bucket, for the refits to come: its learned map's
-        needs, or None (every byte) without one or with REFIT_SHARD_TO_SHARD=0 here."""
-        on = self.direct is not None and _shard_to_shard()
-        self.receiver.needs = self.direct.need if on else None
-        self.apply_report["needs_reported"] = on
-
     def _check_version(self, version: int, verify: bool) -> None:
         """A refit must be newer than what the engine holds; a verification, the same."""
         held = self.last_version
@@ -338,69 +319,6 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         log.info("%s: verify v%d: %d readable params hold what the trainers sent (%d params "
                  "cannot be read)", self.receiver.group.label, version, len(held), unreadable)
 
-    def _pick_path(self) -> tuple[DirectLoad | None, CopyRecorder | None]:
-        """The learned map to apply this refit with, or a recorder to learn it from this
-        refit's `load_weights` (neither: REFIT_APPLY=load_weights, or no native memcpy)."""
-        if self.apply_report["path"] != "direct":
-            return None, None
-        if self.direct is not None:
-            why = self.direct.stale()
-            if why is None:
-                return self.direct, None
-            log.warning("%s: relearning the load map: %s", self.receiver.group.label, why)
-            self.direct = None
-        if native.load() is None:
-            log.warning("%s: no native memcpy here: every refit uses load_weights",
-                        self.receiver.group.label)
-            self.apply_report["path"] = "load_weights"
-            return None, None
-        return None, CopyRecorder({m: p for p, m in self.model.named_modules()})
-
-    def _learn(self, recorder: CopyRecorder, kept: Kept | None) -> None:
-        """Build the map from the refit `recorder` watched and check it against that refit's
-        loads (`kept` bytes; None: REFIT_VERIFY_MAP=0); a failure keeps `load_weights`."""
-        t0, label = time.perf_counter(), self.receiver.group.label
-        try:
-            self.direct = learn(self.model, self.receiver.plan, recorder)
-        except Exception:  # noqa: BLE001 - the refit itself landed
-            log.exception("%s: learning the load map failed; staying on load_weights", label)
-            return
-        r = self.direct.report
-        self.apply_report.update(r, learn_s=time.perf_counter() - t0)
-        log.info("%s: load map learned: %d tensors (%.1f MB) copied directly, %d (%.1f MB) "
-                 "through load_weights%s", label, r["direct_tensors"], r["direct_bytes"] / 1e6,
-                 r["fallback_tensors"], r["fallback_bytes"] / 1e6,
-                 f", because: {r['fallback_reasons']}" if r["fallback_tensors"] else "")
-        if kept is not None:
-            self._check_map(kept)
-        self._report_needs()
-
-    def _check_map(self, kept: Kept) -> None:
-        """The map re-applies the learning refit's bytes; any difference drops it (and the
-        bytes are loaded again through the loaders: the engine ends on their result)."""
-        t0, label = time.perf_counter(), self.receiver.group.label
-
-        try:
-            check = check_map(self.direct, self.model, kept, self.fixes.after_load)
-            why = f"{len(check.differ)} param(s) differ, e.g. {check.differ[0]!r}" \
-                if check.differ else None
-        except Exception as e:  # noqa: BLE001 - reported as the reason the map is dropped
-            why = f"re-applying failed: {type(e).__name__}: {e}"
-        if why is None:
-            self.apply_report.update(verified=check.compared, unreadable=check.unreadable,
-                                     processed=check.processed,
-                                     check_s=time.perf_counter() - t0)
-            log.info("%s: load map checked: %d params bit for bit as the loaders left them "
-                     "(%d filled params unreadable), %d layers' processing given the loaders' "
-                     "bytes", label, check.compared, check.unreadable, check.processed)
-            return
-        log.error("%s: the load map does not reproduce load_weights (%s); every refit stays "
-                  "on load_weights", label, why)
-        self.direct = None
-        self.apply_report = {"path": "load_weights", "map_rejected": why}
-        reload_kept(self.model, self.receiver.plan, kept, self.model_config,
-                    self.fixes.after_load)
-
     def _load(self, items: list[tuple[str, torch.Tensor]],
               recorder: CopyRecorder | None = None) -> set[str]:
         """One batched load (watched by `recorder` when learning); then copy out any view
@@ -432,23 +350,3 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         if self.receiver is not None:
             self.receiver.group.destroy()
         self.receiver = None
-
-
-def _apply_mode() -> str:
-    """REFIT_APPLY: "direct" (default: learn the load map on the first refit, then copy) or
-    "load_weights" (every refit through vLLM's loaders)."""
-    mode = os.environ.get("REFIT_APPLY", "direct")
-    if mode not in ("direct", "load_weights"):
-        raise ValueError(f"REFIT_APPLY={mode!r}: use 'direct' or 'load_weights'")
-    return mode
-
-
-def _shard_to_shard() -> bool:
-    """REFIT_SHARD_TO_SHARD (default 1): report this worker's needs once its map is learned
-    (where the trainers' plan allows it, `RefitConfig.shard_to_shard`); 0: take every byte."""
-    return os.environ.get("REFIT_SHARD_TO_SHARD", "1") != "0"
-
-
-def _verify_map() -> bool:
-    """REFIT_VERIFY_MAP (default 1): check a learned map against its refit's loads."""
-    return os.environ.get("REFIT_VERIFY_MAP", "1") != "0"

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from common.engine_config import EngineConfig, cpu_bind_mask
+from common.engine_config import EngineConfig, cpu_bind_mask, worker_env
 from common.wire.addresses import bind_process_to
 
 _PAUSED = "engine is paused for a weight update: resume it before generating"
@@ -27,10 +27,7 @@ def configure_process(config: EngineConfig, in_process: bool) -> None:
     worker run in this process, threads and their cores (TP > 1 on CPU), the AMX workaround."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ["OMP_NUM_THREADS"] = str(config.threads)
-    os.environ["REFIT_APPLY"] = config.apply
-    os.environ["REFIT_SHARD_TO_SHARD"] = str(int(config.shard_to_shard))
-    os.environ["REFIT_HASH_LOADED"] = str(int(config.hash_loaded))
-    os.environ["REFIT_BASE_PLACE"] = config.base_place
+    os.environ.update(worker_env(config))
     if config.workers() > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_mask(config.workers(),
                                                                 config.threads)

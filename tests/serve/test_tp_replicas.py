@@ -5,7 +5,9 @@ also on the later refits that each worker applies directly (its learned load map
 compact frames of its need-set: the workers of one TP rank across the replicas share one set
 and each receives about half of the plan's bytes (shard-to-shard). Then two delta refits (a
 few percent of the elements changed, then changed back): every worker rebuilds its compact
-frames from its base and both replicas again generate exactly what the fresh server does.
+frames from its base, loads model-format bytes whose hash (in its status record) equals the
+one it loaded from the whole v3, and both replicas again generate exactly what the fresh
+server does.
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ def _greedy(engine, dp_rank: int | None = None) -> tuple[list, list]:
     return [o.tokens for o in outs], [o.logprobs for o in outs]
 
 
-def _delta_refits(fleet, sender, source, group, want) -> None:
+def _loaded_hashes(stats) -> dict[int, str]:
+    return {rank: t["loaded_hash"] for rank, t in stats.receivers.items()}
+
+
+def _delta_refits(fleet, sender, source, group, want, v3_hashes: dict[int, str]) -> None:
     """v4: 3% of v3's elements changed; v5: v3 again. Both go as deltas to every worker."""
     exact = source.tensors
     noisy = dict(exact)
@@ -44,6 +50,8 @@ def _delta_refits(fleet, sender, source, group, want) -> None:
         print(f"[serve] {stats.summary()}")
         for rank, t in stats.receivers.items():
             assert t["delta_frames"] > 0 and t["wire_bytes"] <= 0.2 * stats.nbytes, (rank, t)
+        for rank, digest in _loaded_hashes(stats).items():  # v5 loads v3's bytes again
+            assert (digest == v3_hashes[rank]) == (version == 5), (version, rank)
     engine = fleet.engines[0]
     for r in range(DP):
         assert _greedy(engine, r) == want, f"after the delta refits replica {r} differs"
@@ -56,7 +64,7 @@ def test_shard_and_delta_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_en
         print(f"[serve] fresh TP2 server ready in {fresh.wait_ready():.1f} s")
         want = _greedy(fresh.client(timeout_s=TIMEOUT_S))
     config = replace(serve_config(checkpoints.start, "tp2_dp2"), tensor_parallel_size=TP,
-                     data_parallel_size=DP)
+                     data_parallel_size=DP, hash_loaded=True)
     with VllmServer(config) as server:
         print(f"[serve] TP2 x DP2 server ready in {server.wait_ready():.1f} s")
         engine = server.client(timeout_s=TIMEOUT_S)
@@ -97,6 +105,8 @@ def test_shard_and_delta_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_en
                     assert t["wire_bytes"] <= 0.55 * stats.nbytes, (rank, t, stats.nbytes)
                 for r in range(DP):
                     assert _greedy(engine, r) == expected[r], f"v{version}: replica {r} differs"
-            _delta_refits(fleet, sender, source, group, want)
+            hashes = _loaded_hashes(stats)  # v3's: the same TP rank loaded the same bytes
+            assert hashes[1] == hashes[3] != hashes[2] == hashes[4], hashes
+            _delta_refits(fleet, sender, source, group, want, hashes)
         finally:
             group.destroy()
