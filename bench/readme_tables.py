@@ -138,9 +138,34 @@ def delta() -> str:
                    "refit time / full", "bitwise equal"], rows)
 
 
+
+def delta_models() -> str:
+    """`bench/delta_bench.py --models` (the Qwen3-30B-A3B-shaped list over gloo) and `--gpu`
+    (the codec alone on the device), each against a full refit or one copy in the same run."""
+    r = _load("delta_models_cpu")
+    s, hw = r["summary"], r["provenance"]
+    rows = [[f"`delta_models_cpu` {p}%", f"{hw['cpu_cores']}-core CPU VM, gloo",
+             f"{s[f'qwen3_30b_changed_fraction_{p}pct']:.3f}",
+             f"{s[f'qwen3_30b_wire_fraction_{p}pct']:.3f}",
+             f"{s[f'qwen3_30b_codec_wire_ratio_{p}pct']:.2f}",
+             f"{s[f'qwen3_30b_refit_ratio_{p}pct']:.2f}",
+             f"{s[f'undo_cost_full_{p}pct']:.2f} / {s[f'undo_cost_delta_{p}pct']:.2f}", "-"]
+            for p in (3, 15)]
+    g = _load("delta_codec_h200")
+    gs = g["summary"]
+    rows += [[f"`delta_codec_h200` {p}%", f"1 x {g['provenance']['gpu']}", f"0.{p:02d}",
+              f"{gs[f'wire_fraction_{p}pct']:.3f}", "-", "-", "-",
+              f"{gs[f'encode_over_copy_{p}pct']:.2f} / {gs[f'rebuild_over_copy_{p}pct']:.2f}"]
+             for p in (3, 15)]
+    return _table(["results file", "hardware", "elements changed", "wire bytes / full",
+                   "encode + wire + decode / pack + wire", "refit time / full",
+                   "undo log's cost: full / delta", "encode / rebuild, x one copy"], rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {"broadcast": broadcast, "receiver": receiver,
                                         "fault_soak": fault_soak, "mcore_gather": mcore_gather,
-                                        "shard": shard, "delta": delta}
+                                        "shard": shard, "delta": delta,
+                                        "delta_models": delta_models}
 
 
 def _marked(name: str) -> re.Pattern[str]:

@@ -49,11 +49,11 @@ def engine_child(ckpt: str, port: int, fault, queue, read) -> None:
     """An engine that takes refit v1 (the learning refit), its map learning wrapped by
     `fault(learn)` unless None; puts its apply report and params on `queue`."""
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", REFIT_DISABLE_CPU_AMX="1")
-    import common.in_vllm.backend as backend
+    import common.in_vllm.map_steps as map_steps
     from common.in_vllm.llm_host import _apply_report, _read_params
 
     if fault is not None:
-        backend.learn = fault(backend.learn)
+        map_steps.learn = fault(map_steps.learn)
     from vllm import LLM
 
     llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True,
