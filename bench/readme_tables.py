@@ -152,11 +152,13 @@ def delta_models() -> str:
              f"{s[f'undo_cost_full_{p}pct']:.2f} / {s[f'undo_cost_delta_{p}pct']:.2f}", "-"]
             for p in (3, 15)]
     g = _load("delta_codec_h200")
-    gs = g["summary"]
-    rows += [[f"`delta_codec_h200` {p}%", f"1 x {g['provenance']['gpu']}", f"0.{p:02d}",
-              f"{gs[f'wire_fraction_{p}pct']:.3f}", "-", "-", "-",
-              f"{gs[f'encode_over_copy_{p}pct']:.2f} / {gs[f'rebuild_over_copy_{p}pct']:.2f}"]
-             for p in (3, 15)]
+    gs, gpu = g["summary"], g["provenance"]["gpu"]
+    for run in g["densities"]:  # the density each codec run drew its changes at
+        p = round(run["density"] * 100)
+        rows.append([f"`delta_codec_h200` {p}%", f"1 x {gpu}", f"{run['density']:.3f}",
+                     f"{run['wire_fraction']:.3f}", "-", "-", "-",
+                     f"{gs[f'encode_over_copy_{p}pct']:.2f} / "
+                     f"{gs[f'rebuild_over_copy_{p}pct']:.2f}"])
     return _table(["results file", "hardware", "elements changed", "wire bytes / full",
                    "encode + wire + decode / pack + wire", "refit time / full",
                    "undo log's cost: full / delta", "encode / rebuild, x one copy"], rows)
