@@ -1,6 +1,8 @@
-"""Run a function on several spawned processes, each a rank: once (`run_ranks`, a fresh set of
+"""Run a function on several new processes, each a rank: once (`run_ranks`, a fresh set of
 processes per call) or as a persistent pool (`RankPool`: imports paid once, then one job after
-another). The tests and the benchmarks use these two and nothing else to start ranks.
+another). The tests and the benchmarks use these two and nothing else to start ranks. Ranks
+fork from a server that imported torch once (`recipes.rank_forkserver`) and run in the
+environment this process had when it started them.
 
 A rank's outcome is ("ok", result), ("error", (type name, message, traceback)) or
 ("dead", exit code); a rank still running past the timeout is a hang and fails the caller.
@@ -17,12 +19,16 @@ from collections.abc import Callable
 from typing import Any
 
 from common.wire.group import free_port
+from recipes.rank_forkserver import rank_context
 
 Outcome = tuple[str, Any]
 
 
-def _pin_threads(threads: int | None) -> None:
-    """One thread per rank by default: several ranks (and engines) share 2 cores."""
+def _enter(env: dict[str, str], threads: int | None) -> None:
+    """A new rank's first step: its starter's environment (the server's may be older), then
+    one thread per rank by default: several ranks (and engines) share 2 cores."""
+    os.environ.clear()
+    os.environ.update(env)
     if threads is None:
         return
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -69,25 +75,28 @@ def _stop(procs: list, wait_s: float) -> None:
 
 
 def _one_shot(fn: Callable, rank: int, world: int, port: int, args: tuple, results: Any,
-              threads: int | None) -> None:
-    _pin_threads(threads)
+              threads: int | None, env: dict[str, str]) -> None:
+    _enter(env, threads)
     results.put((rank, *_outcome(fn, (rank, world, port, *args))))
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
               allow_dead: bool = False, port: int | None = None,
-              group_world: int | None = None, threads: int | None = 1) -> dict[int, Outcome]:
+              group_world: int | None = None, threads: int | None = 1,
+              fresh_interpreters: bool = False) -> dict[int, Outcome]:
     """Run fn(rank, group_world or world_size, port, *args) on `world_size` new processes.
 
     `group_world` > world_size leaves the last ranks of the group to others (e.g. engines).
     Returns each rank's outcome; a rank with none died ("dead", exit code; fails unless
     `allow_dead`). A process still running after `timeout` is killed and the call fails.
+    `fresh_interpreters`: spawn each rank instead (its imports and allocator its own: what a
+    measure of a rank's resident memory needs).
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn") if fresh_interpreters else rank_context()
     results = ctx.Queue()
     port = port or free_port()
     procs = [ctx.Process(target=_one_shot, args=(fn, r, group_world or world_size, port, args,
-                                                 results, threads))
+                                                 results, threads, dict(os.environ)))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -104,8 +113,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
 
 
 def _pool_worker(rank: int, world: int, init: Callable | None, init_args: tuple, jobs: Any,
-                 results: Any) -> None:
-    _pin_threads(1)
+                 results: Any, env: dict[str, str]) -> None:
+    _enter(env, 1)
     import torch.distributed as dist
 
     if init is not None:
@@ -121,12 +130,13 @@ class RankPool:
     """`world` spawned ranks; `init(rank, world, *init_args)` runs once in each at start."""
 
     def __init__(self, world: int, init: Callable | None = None, init_args: tuple = ()) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self.world = world
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(world)]
         self.procs = [ctx.Process(target=_pool_worker, daemon=True,
-                                  args=(r, world, init, init_args, self.jobs[r], self.results))
+                                  args=(r, world, init, init_args, self.jobs[r], self.results,
+                                            dict(os.environ)))
                       for r in range(world)]
         for p in self.procs:
             p.start()

@@ -81,7 +81,7 @@ def test_extra_memory_is_bounded_on_every_rank(buffers: int, direct: int, monkey
     # what the refit holds, not glibc's heap fragmentation (its dynamic threshold otherwise
     # keeps freed 1 MiB chunks in the heap).
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
-    extra = expect_ok(run_ranks(memory_rank, 3, buffers, direct))
+    extra = expect_ok(run_ranks(memory_rank, 3, buffers, direct, fresh_interpreters=True))
     bound = (buffers + 1) * BUCKET + OVERSIZE + SLACK
     for rank, used in extra.items():
         assert used <= bound, f"rank {rank}: {used / MIB:.1f} MiB > {bound / MIB:.1f} MiB"

@@ -24,6 +24,10 @@ from common.clients.engine_client import Completion, EngineClient, EngineError, 
 from common.engine_config import EngineConfig
 
 HOST_SERVE = "common.in_vllm.llm_host:serve"  # the child's entry point, imported there only
+# What the forkserver imports once, so that each engine forked from it starts without paying
+# vLLM's import (seconds, most of a tiny engine's start).
+FORKSERVER_PRELOAD = ("vllm.entrypoints.llm", "common.in_vllm.llm_host")
+START_METHODS = ("forkserver", "spawn")
 
 # Variables of the training launcher that must not reach vLLM (it would join the wrong group).
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -38,9 +42,24 @@ def by_name(dotted: str) -> Any:
     return getattr(importlib.import_module(module), attribute)
 
 
-def run_by_name(dotted: str, *args: Any) -> None:
-    """A child process's target: call the function `dotted` names with `args`."""
+def run_by_name(dotted: str, env: dict[str, str], *args: Any) -> None:
+    """A child process's target: call the function `dotted` names with `args`, in `env` (the
+    parent's environment when it started the child: a forkserver's own may be older)."""
+    os.environ.clear()
+    os.environ.update(env)
     by_name(dotted)(*args)
+
+
+def _process_context(start_method: str) -> Any:
+    """A multiprocessing context for engine processes: "forkserver" forks each engine from one
+    server process that imported `FORKSERVER_PRELOAD` (Python keeps one forkserver per process:
+    the first caller's preload list holds for all), "spawn" starts a fresh interpreter."""
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method {start_method!r} is not one of {START_METHODS}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return ctx
 
 
 class HostedEngine(EngineClient):
@@ -104,19 +123,19 @@ class LocalEngine(HostedEngine):
         super().__init__(name or f"local:{os.path.basename(config.model.rstrip('/'))}",
                          config.call_timeout_s if timeout_s is None else timeout_s)
         self.config = config
-        ctx = mp.get_context("spawn")
+        ctx = _process_context(config.start_method)
         self._conn, child = ctx.Pipe()
         self._lock = threading.Lock()
-        env = {k: os.environ.pop(k) for k in _LAUNCHER_VARS if k in os.environ}
+        launcher = {k: os.environ.pop(k) for k in _LAUNCHER_VARS if k in os.environ}
         try:
             # Not daemonic: the engine may start vLLM's worker processes (TP > 1). The
             # finalizer stops it when this client is collected or the trainer exits, before
             # multiprocessing's own exit hook would wait for it.
-            self._proc = ctx.Process(target=run_by_name, args=(HOST_SERVE, child, config),
-                                     daemon=False)
+            self._proc = ctx.Process(target=run_by_name, daemon=False,
+                                     args=(HOST_SERVE, dict(os.environ), child, config))
             self._proc.start()
         finally:
-            os.environ.update(env)
+            os.environ.update(launcher)
         self._stopper = weakref.finalize(self, _stop, self._proc, self._conn, self._lock)
         with self._lock:
             self._answer("start", config.start_timeout_s)
