@@ -19,8 +19,11 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# The suite's budget is 25 minutes on 2 cores (README): its end shows the slowest tests
+# (DURATIONS of them; 0: every one) and the total.
+DURATIONS ?= 10
 test: lint
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=$(DURATIONS)
 
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not slow"

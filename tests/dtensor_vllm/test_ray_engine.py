@@ -75,7 +75,7 @@ def test_a_serving_engine_actor_keeps_a_request_in_flight_across_a_refit(ray_clu
     engine = RayEngine.start(config, serving=True)
     try:
         trainer = join_one_trainer([engine], new_state)
-        tokens = MAX_MODEL_LEN - 64
+        tokens = 1024  # seconds of generation: each refit below meets the request in flight
         in_flight = engine.remote("generate", prompts=[[3, 1, 4, 1, 5]], max_tokens=tokens,
                                   sampling={"ignore_eos": True})
         (warm,) = engine.generate([[2, 7]], 4)  # served concurrently with the long request

@@ -66,7 +66,7 @@ class Checkpoints:
     states: list[dict[str, torch.Tensor]]  # [start, changed]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> Checkpoints:
     from tests.dtensor.models import make_model
 
@@ -79,9 +79,10 @@ def checkpoints(tmp_path_factory) -> Checkpoints:
     return Checkpoints(root / "start", root / "changed", [start, changed])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(checkpoints) -> list[Completion]:
-    """Greedy outputs of a fresh server started on the changed checkpoint (then stopped)."""
+    """Greedy outputs of a fresh server started on the changed checkpoint (then stopped), once
+    for every module that compares with them."""
     server = VllmServer(serve_config(checkpoints.changed, "reference"))
     try:
         with timed("reference server: start"):

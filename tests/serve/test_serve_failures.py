@@ -172,13 +172,6 @@ def trainers_dist(rank: int, dist_port: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def replacement_trainer(rank: int, world: int, port: int, dist_port: int, state: dict,
-                        config) -> dict:
-    """Every trainer: v2 into a replacement server that rank 0 starts from `config`."""
-    with trainers_dist(rank, dist_port):
-        return _refit_into_replacement(rank, state, config)
-
-
 def kill_trainer(rank: int, world: int, port: int, dist_port: int, url: str, pgid: int,
                  states: list, config) -> dict:
     """Every trainer: v1 into a server killed mid-refit, then v2 into a replacement."""
