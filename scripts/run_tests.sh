@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The whole suite as two pytest processes side by side (`make test`): the engines reached over
+# HTTP or Ray (vllm serve servers, Ray clusters, the recipes run as their users do) and
+# everything else. Their starts are chains of single-core imports (a server spawns its engine
+# core, which spawns its workers), so on 2 cores each group leaves the other room.
+# Each group prints its own summary and slowest tests (DURATIONS of them); the end says both.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+DURATIONS=${DURATIONS:-10}
+REMOTE=(tests/serve tests/ray tests/mcore_vllm tests/dtensor_vllm/test_ray_engine.py)
+ignore=()
+for path in "${REMOTE[@]}"; do ignore+=(--ignore="$path"); done
+log=$(mktemp -t refit-tests-remote.XXXXXX)
+trap 'rm -f "$log"' EXIT
+"$PY" -m pytest -q -ra --durations="$DURATIONS" -p no:cacheprovider "${REMOTE[@]}" > "$log" 2>&1 &
+remote=$!
+"$PY" -m pytest -q -ra --durations="$DURATIONS" "${ignore[@]}"
+local_rc=$?
+wait "$remote"
+remote_rc=$?
+echo "=== engines over HTTP and Ray (${REMOTE[*]}) ==="
+cat "$log"
+echo "=== make test: ${SECONDS} s wall for both groups; rc $local_rc (everything else)," \
+     "$remote_rc (engines over HTTP and Ray) ==="
+[ "$local_rc" -eq 0 ] && [ "$remote_rc" -eq 0 ]
