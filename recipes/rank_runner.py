@@ -127,7 +127,8 @@ def _pool_worker(rank: int, world: int, init: Callable | None, init_args: tuple,
 
 
 class RankPool:
-    """`world` spawned ranks; `init(rank, world, *init_args)` runs once in each at start."""
+    """`world` ranks (forked, as `run_ranks`'); `init(rank, world, *init_args)` runs once in each
+    at start."""
 
     def __init__(self, world: int, init: Callable | None = None, init_args: tuple = ()) -> None:
         ctx = rank_context()
