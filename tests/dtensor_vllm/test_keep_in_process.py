@@ -27,6 +27,7 @@ from tests.dtensor_vllm.helpers import LLM_KWARGS, start_engine
 
 pytestmark = pytest.mark.slow
 PROMPT, TOTAL, BEFORE_PAUSE = [3, 1, 4, 1, 5], 24, 6
+JOIN_TIMEOUT_S = 240.0  # covers the engine child's start on a loaded 2-core machine
 
 
 def stepped_engine(ckpt: str, port: int, queue) -> None:
@@ -40,7 +41,7 @@ def stepped_engine(ckpt: str, port: int, queue) -> None:
     llm.update_weight_version("0")
     llm.init_weight_transfer_engine({"init_info": {
         "host": "127.0.0.1", "port": port, "world_size": 2, "num_trainers": 1,
-        "rank_offset": 1, "timeout_s": 60.0}})
+        "rank_offset": 1, "timeout_s": JOIN_TIMEOUT_S}})
     engine = llm.llm_engine
     engine.add_request("kept", {"prompt_token_ids": PROMPT},
                        SamplingParams(max_tokens=TOTAL, temperature=0.0, ignore_eos=True))
@@ -78,7 +79,7 @@ def test_keep_freezes_a_request_and_finishes_it_under_the_new_weights(tmp_path) 
     child.start()
     try:
         group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=2, num_trainers=1,
-                           timeout_s=120, device="cpu")
+                           timeout_s=JOIN_TIMEOUT_S, device="cpu")
         source = DictWeightSource(new_state)
         sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), RefitConfig(
             bucket_bytes=64 << 10)))

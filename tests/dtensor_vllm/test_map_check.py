@@ -26,6 +26,9 @@ from tests.dtensor_vllm.harness import initial_checkpoint
 from tests.dtensor_vllm.helpers import LLM_KWARGS
 
 pytestmark = pytest.mark.slow
+# The join waits while the engine child starts (a fresh interpreter importing vLLM): a minute
+# on a 2-core machine that runs another test group beside this one.
+JOIN_TIMEOUT_S = 240.0
 
 
 def _corrupting(learn):
@@ -60,7 +63,7 @@ def engine_child(ckpt: str, port: int, fault, queue, read) -> None:
               weight_transfer_config={"backend": "refit"}, **LLM_KWARGS)
     llm.init_weight_transfer_engine({"init_info": {
         "host": "127.0.0.1", "port": port, "world_size": 2, "num_trainers": 1,
-        "rank_offset": 1, "timeout_s": 60.0}})
+        "rank_offset": 1, "timeout_s": JOIN_TIMEOUT_S}})
     llm.start_weight_update()
     llm.update_weights({"update_info": {"version": 1}})
     llm.finish_weight_update(weight_version="1")
@@ -82,7 +85,7 @@ def learning_refit(tmp_path, fault=None) -> tuple[dict, dict]:
     child.start()
     try:
         group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=2, num_trainers=1,
-                           timeout_s=60.0, device="cpu")
+                           timeout_s=JOIN_TIMEOUT_S, device="cpu")
         source = DictWeightSource(state)
         sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(),
                                                           RefitConfig(bucket_bytes=16 << 10)))
