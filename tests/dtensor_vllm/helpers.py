@@ -17,6 +17,9 @@ from recipes.engines import (  # noqa: F401 - the tests' trainer
 from recipes.vllm_checks import vllm_layout
 
 LLM_KWARGS = tiny_llm_kwargs(64)
+# A trainer's join that waits while its engine child starts (a fresh interpreter importing
+# vLLM): a minute on a 2-core machine running the other test group beside it.
+JOIN_TIMEOUT_S = 240.0
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 20, 30, 40]]
 
 

@@ -23,11 +23,10 @@ from common.plan import RefitPlan
 from common.source import DictWeightSource
 from common.wire.group import RefitGroup, free_port
 from tests.dtensor.models import make_model
-from tests.dtensor_vllm.helpers import LLM_KWARGS, start_engine
+from tests.dtensor_vllm.helpers import JOIN_TIMEOUT_S, LLM_KWARGS, start_engine
 
 pytestmark = pytest.mark.slow
 PROMPT, TOTAL, BEFORE_PAUSE = [3, 1, 4, 1, 5], 24, 6
-JOIN_TIMEOUT_S = 240.0  # covers the engine child's start on a loaded 2-core machine
 
 
 def stepped_engine(ckpt: str, port: int, queue) -> None:

@@ -23,12 +23,9 @@ from common.wire.group import RefitGroup, free_port
 from recipes.vllm_checks import compare_params, vllm_layout
 from tests.dtensor.shard import Case
 from tests.dtensor_vllm.harness import initial_checkpoint
-from tests.dtensor_vllm.helpers import LLM_KWARGS
+from tests.dtensor_vllm.helpers import JOIN_TIMEOUT_S, LLM_KWARGS
 
 pytestmark = pytest.mark.slow
-# The join waits while the engine child starts (a fresh interpreter importing vLLM): a minute
-# on a 2-core machine that runs another test group beside this one.
-JOIN_TIMEOUT_S = 240.0
 
 
 def _corrupting(learn):
