@@ -16,6 +16,8 @@ forgets the version (the next refit goes whole).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from common import delta
@@ -40,10 +42,18 @@ class FrameStore:
         """The complete version held for frame layout `key`, or None."""
         return self.version if key == self.key else None
 
-    def begin(self, key: str) -> None:
-        """A refit starts: frames laid out as `key` (another layout forgets the entries)."""
+    def begin(self, key: str, derive: Callable[[int, torch.Tensor], torch.Tensor | None]
+              | None = None) -> None:
+        """A refit starts: frames laid out as `key`. Another layout forgets the entries,
+        unless `derive` makes each new-layout entry from its old one (None: the frame is
+        not in the new layout): the version is kept."""
         if key != self.key:
-            self.key, self.version, self.entries = key, None, {}
+            derived = None
+            if derive is not None and self.version is not None:
+                derived = {i: d for i, e in self.entries.items()
+                           if (d := derive(i, e)) is not None}
+            self.key, self.entries = key, derived or {}
+            self.version = self.version if derived is not None else None
         self._staged, self.staged_bytes, self._unsafe = {}, 0, None
         if self.version is None:
             self._unsafe = "it holds no complete base yet (the first refit makes it)"

@@ -7,6 +7,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+# What every engine runs besides the backend, by qualified name (vLLM imports them where they
+# run): the workers' refit-state method, the API server's guard, and (more than one worker per
+# replica) the executor that reads every worker's reply (`common.in_vllm.*`).
+WORKER_EXTENSION = "common.in_vllm.worker_ext.RefitWorkerExtension"
+SERVE_GUARD = "common.in_vllm.serve_guard.RefitGuard"
+EXECUTOR = "common.in_vllm.executor.RefitMultiprocExecutor"
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -26,6 +33,8 @@ class EngineConfig:
     base_place: where each worker keeps its base (the bytes it last received, for delta
         refits and the undo log, when the trainers' `RefitConfig` asks for one): "device" or
         "host" (REFIT_BASE_PLACE).
+    resume_after_rollback: a failed refit that every worker rolled back resumes the engine by
+        itself (REFIT_ROLLBACK_RESUME); False: it stays paused for its trainer.
     start_method: how `LocalEngine` starts its process: "forkserver" (forked from a process
         that imported vLLM once: seconds faster per engine) or "spawn" (a fresh interpreter).
     """
@@ -40,9 +49,21 @@ class EngineConfig:
     hash_loaded: bool = False
     base_place: str = "device"
     start_method: str = "forkserver"
+    resume_after_rollback: bool = True
     start_timeout_s: float = 300.0  # the engine's build
     call_timeout_s: float = 120.0  # every control call of its client (pause, version, ...)
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def llm_args(self) -> dict[str, Any]:
+        """`llm_kwargs` with the refit backend, its worker extension and (TP x PP > 1) its
+        executor, unless the caller named others."""
+        extra: dict[str, Any] = {"worker_extension_cls": WORKER_EXTENSION}
+        per_replica = (int(self.llm_kwargs.get("tensor_parallel_size", 1))
+                       * int(self.llm_kwargs.get("pipeline_parallel_size", 1)))
+        if per_replica > 1:
+            extra["distributed_executor_backend"] = EXECUTOR
+        return {"skip_tokenizer_init": True, "enforce_eager": True, **extra,
+                **self.llm_kwargs, "weight_transfer_config": {"backend": "refit"}}
 
     def workers(self) -> int:
         """The engine's local workers: TP x PP x DP of `llm_kwargs`."""
@@ -57,7 +78,8 @@ def worker_env(config: Any) -> dict[str, str]:
     return {"REFIT_APPLY": config.apply,
             "REFIT_SHARD_TO_SHARD": str(int(config.shard_to_shard)),
             "REFIT_HASH_LOADED": str(int(config.hash_loaded)),
-            "REFIT_BASE_PLACE": config.base_place}
+            "REFIT_BASE_PLACE": config.base_place,
+            "REFIT_ROLLBACK_RESUME": str(int(config.resume_after_rollback))}
 
 
 def cpu_bind_mask(workers: int, threads: int) -> str:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from common.delta_frames import DELTA, DeltaReceive, delta_modes, set_keys
+from common.delta_frames import DELTA, WHOLE, DeltaReceive, delta_modes, set_keys
 from common.delta_store import NO_BASE, FrameStore
 from common.endpoint import Endpoint
 from common.errors import RefitAborted, RefitError
@@ -126,12 +126,27 @@ class RefitReceiver(Endpoint):
         if self.base is None:
             return None
         key = set_keys(self)[my_set]
+        self.base.begin(key, self._compact_from_whole(my_set)
+                        if self.base.key == WHOLE else None)
         held = self.base.holds(key)
-        self.base.begin(key)
         if not self.plan.config.delta:
             return None
         report = NO_BASE if held is None or verify else held
         return delta_modes(self, {my_set: report}, what).get(my_set)
+
+    def _compact_from_whole(self, my_set: int) -> Callable:
+        """Makes this set's compact frame of a bucket from the whole bucket's bytes: the
+        first refit after a worker learned its map keeps its base (and so its rollback)."""
+        routes = {b.index: r for b in self.plan.buckets for r in self.sharding.routes(b)
+                  if r.set_index == my_set}
+
+        def derive(index: int, whole: torch.Tensor) -> torch.Tensor | None:
+            route = routes.get(index)
+            if route is None or route.gather is None:
+                return None if route is None else whole
+            return route.gather.take(self.plan.buckets[index], whole)
+
+        return derive
 
     def _receive_frames(self, frames: list[tuple[Bucket, Route]], stats: RefitStats,
                         version: int | None, hand_over: Callable) -> BaseException | None:
@@ -276,6 +291,8 @@ class RefitReceiver(Endpoint):
                   on_compact: CompactCallback | None = None) -> int:
         """After a failed refit: hand every frame it applied over again from the base (the
         last complete version); returns how many. Raises if it cannot (the reason)."""
+        if not self.applied:  # nothing of it reached the loaders here: nothing to undo
+            return 0
         if self.undo_refusal is not None:
             raise RefitError(f"{self.group.label}: cannot roll back: {self.undo_refusal}")
         stats = RefitStats(-1, 0, 0, role="receiver")

@@ -12,6 +12,7 @@ bucket). A bucket a set reads nothing of sends it no frame. Plain numpy; both si
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -52,6 +53,19 @@ class Gather:
         pos, lo, hi, which = pos[keep], lo[keep], hi[keep], which[keep]
         dst = ranges.placed()[which] + lo - s[which]
         return cls(pos, lo - t_start[pos], dst, hi - lo, ranges.compact_bytes())
+
+
+    def take(self, bucket: Bucket, whole: Any) -> Any:
+        """This compact frame's payload made from the whole bucket's payload bytes `whole`
+        (a uint8 tensor; the bytes between pieces are zeros)."""
+        n = self.n
+        starts = np.cumsum(n) - n
+        within = np.arange(int(n.sum()), dtype=_I64) - np.repeat(starts, n)
+        src = np.repeat(np.asarray(bucket.offsets, dtype=_I64)[self.pos] + self.off, n) + within
+        dst = np.repeat(self.dst, n) + within
+        out = whole.new_zeros(self.nbytes)
+        out[dst] = whole[src]
+        return out
 
 
 @dataclass(frozen=True)

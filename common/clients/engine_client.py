@@ -15,10 +15,14 @@ refit of one engine, from training rank 0:
 `common.clients.fleet.EngineFleet` does the same for several engines (DP replicas, several
 servers) in one refit group, and carries the refit's verdict to every trainer. A failed refit
 that every worker rolled back (`RefitConfig.undo_bytes`) leaves the engine serving its last
-complete version. After any other failed refit the engine stays paused: `resume()` and
-`generate()` refuse and `finish()` raises, naming the failed and the last complete version,
-until a refit lands; the version the engine reports stays the last complete one. A version
-not newer than the engine's is refused.
+complete version (it resumes by itself unless told to stay paused). After any other failed
+refit the engine stays paused: `resume()` and `generate()` refuse and `finish()` raises,
+naming the failed and the last complete version, until a refit lands; the version the engine
+reports stays the last complete one. A version not newer than the engine's is refused.
+
+The engine itself keeps that state (`common.engine_state`), so it holds after its trainer
+died: its server refuses to serve and to resume mixed weights, and a client that joins later
+adopts the state (`join_async`): the version, a failure, a refit that landed unfinished.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from common.engine_state import RefitState
 from common.errors import NOTHING_LOADED, ROLLED_BACK, RefitError
 
 log = logging.getLogger(__name__)
@@ -83,6 +88,7 @@ class EngineClient(ABC):
         self.version: int | None = None  # last complete version, learnt at join
         self.failed: tuple[int, str] | None = None  # (version, why) until a refit lands
         self.paused = False  # by this client
+        self.state: RefitState | None = None  # the engine's own, as read at the last join
         self._refit: tuple[int, Future, float] | None = None  # version, call, timeout
         self._join_timeout_s = 300.0
         self._workers: int | None = None
@@ -105,6 +111,10 @@ class EngineClient(ABC):
     def _finish(self, version: str) -> None: ...
     @abstractmethod
     def _get_version(self) -> str: ...
+    @abstractmethod
+    def _state(self) -> RefitState: ...
+    @abstractmethod
+    def _is_paused(self) -> bool: ...
     @abstractmethod
     def _set_version(self, version: str) -> None: ...
 
@@ -148,6 +158,13 @@ class EngineClient(ABC):
     def weight_version(self) -> str:
         return self._do("reading its weight version", self._get_version)
 
+    def is_paused(self) -> bool:
+        return self._do("reading whether it is paused", self._is_paused)
+
+    def engine_state(self) -> RefitState:
+        """The engine's own refit state, read from its workers now (`common.engine_state`)."""
+        return self._do("reading its refit state", self._state)
+
     def pause(self, mode: PauseMode = "keep", clear_cache: bool = True) -> None:
         """abort: in-flight requests end (finish reason abort); wait: they finish under the
         old weights first; keep: they freeze and continue after `resume` (re-prefilled under
@@ -171,12 +188,36 @@ class EngineClient(ABC):
             if current == "default":
                 self._set_version("0")
                 current = "0"
-            self.version = int(current) if current.isdigit() else None
+            self._adopt(self._state(), int(current) if current.isdigit() else None)
             self._init(info.as_dict(), info.timeout_s)
 
         self._join_timeout_s = info.timeout_s
         return self._submit(f"joining refit group {info.group_name!r} at {info.host}:"
                             f"{info.port} as ranks {info.rank_offset}..", join)
+
+    def _adopt(self, state: RefitState, labelled: int | None) -> None:
+        """Take over the engine's refit state at join: commit a refit that landed on every
+        worker but was never finished (its trainer died before `finish`), end a refit that was
+        started but never sent (vLLM would refuse the next start), then adopt the version
+        and a failure with mixed weights."""
+        if state.phase == "landed":
+            log.warning("engine %s: refit v%s landed on every worker but was not finished; "
+                        "committing it", self.name, state.landed)
+            self._finish(str(state.landed))
+            state = self._state()
+        elif state.phase == "refitting" and not state.receiving:
+            log.warning("engine %s: a refit was started but never sent; ending it", self.name)
+            try:
+                self._update({"version": -1, "abandon": True}, self.timeout_s)
+            except Exception:  # noqa: BLE001 - it raises by design: vLLM then ends the update
+                pass
+            state = self._state()
+        self.state = state
+        self.version = labelled if state.version is None else state.version
+        self.failed = (state.failed, state.why) if state.phase == "mixed" else None
+        if state.phase != "complete" or state.failed is not None:
+            log.warning("engine %s: joins %s (last complete v%s, last failed refit v%s: %s)",
+                        self.name, state.phase, self.version, state.failed, state.why)
 
     def check_refit(self, version: int) -> None:
         """Raise unless refit `version` can start now (none pending, newer than the engine's)."""
@@ -237,6 +278,7 @@ class EngineClient(ABC):
                                   f"weight was loaded; it still serves v{self.version}: "
                                   f"{e}") from e
             if ROLLED_BACK in str(e):  # its workers agreed they restored the old weights
+                self.paused = self.is_paused()
                 raise EngineError(f"engine {self.name}: refit v{version} failed and was "
                                   f"rolled back; it serves v{self.version}: {e}") from e
             self.failed = (version, str(e))

@@ -19,6 +19,7 @@ from typing import Any
 import requests
 
 from common.clients.engine_client import Completion, EngineClient, EngineError, PauseMode
+from common.engine_state import RefitState, engine_state
 
 _BODY_CHARS = 2000  # of an error response kept in the message: vLLM can send whole tracebacks
 _MARGIN_S = 30.0  # beyond a join's own timeout: the route answers after the group's rendezvous
@@ -133,8 +134,13 @@ class HttpEngine(EngineClient):
     def _set_version(self, version: str) -> None:
         self._call("POST", "/update_weight_version", json={"new_version": version})
 
-    def is_paused(self) -> bool:
+    def _is_paused(self) -> bool:
         return bool(self._json("GET", "/is_paused")["is_paused"])
+
+    def _state(self) -> RefitState:
+        # the dev route of vLLM's own collective_rpc, answered by refit's worker extension
+        return engine_state(self._json("POST", "/collective_rpc",
+                                       json={"method": "refit_state"})["results"])
 
     # --- generation --------------------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], max_tokens: int, *,

@@ -22,6 +22,7 @@ from typing import Any
 
 from common.clients.engine_client import Completion, EngineClient, EngineError, PauseMode
 from common.engine_config import EngineConfig
+from common.engine_state import RefitState
 
 HOST_SERVE = "common.in_vllm.llm_host:serve"  # the child's entry point, imported there only
 # What the forkserver imports once, so that each engine forked from it starts without paying
@@ -93,6 +94,12 @@ class HostedEngine(EngineClient):
 
     def _get_version(self) -> str:
         return self._call("get_version")
+
+    def _state(self) -> RefitState:
+        return self._call("state")
+
+    def _is_paused(self) -> bool:
+        return self._call("is_paused")
 
     def _set_version(self, version: str) -> None:
         self._call("set_version", version=version)

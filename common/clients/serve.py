@@ -24,7 +24,7 @@ import requests
 
 from common.clients.http_engine import HttpEngine
 from common.clients.local_engine import _LAUNCHER_VARS
-from common.engine_config import cpu_bind_mask, worker_env
+from common.engine_config import EXECUTOR, SERVE_GUARD, WORKER_EXTENSION, cpu_bind_mask, worker_env
 from common.errors import RefitError
 from common.wire.group import free_port
 
@@ -46,6 +46,10 @@ class ServeConfig:
         `refit_vllm_plugin` applies (VMs advertising AMX without enabling it die of SIGILL).
     apply, shard_to_shard, hash_loaded, base_place: the workers' refit settings, as
         `EngineConfig`'s (`common.engine_config.worker_env`).
+    resume_after_rollback: a failed refit that every worker rolled back resumes the server
+        by itself (REFIT_ROLLBACK_RESUME); False: it stays paused for its trainer.
+    The command adds refit's worker extension, its guard middleware and, at TP > 1, its
+    executor (`common.engine_config`): the server itself refuses mixed weights.
     """
 
     model: str
@@ -64,6 +68,8 @@ class ServeConfig:
     shard_to_shard: bool = True
     hash_loaded: bool = False
     base_place: str = "device"
+    resume_after_rollback: bool = True
+    worker_extension: str = WORKER_EXTENSION  # or a subclass of it (a framework's own)
     start_timeout_s: float = 300.0
     call_timeout_s: float = 60.0  # every control call of `client()` (pause, version, ...)
     log_path: str | None = None
@@ -74,8 +80,11 @@ class ServeConfig:
                 self.model, "--host", self.host, "--port", str(port), "--dtype", self.dtype,
                 "--skip-tokenizer-init", "--enforce-eager", "--tokens-only",
                 "--weight-transfer-config", json.dumps({"backend": "refit"}),
+                "--worker-extension-cls", self.worker_extension, "--middleware", SERVE_GUARD,
                 "--tensor-parallel-size", str(self.tensor_parallel_size),
                 "--data-parallel-size", str(self.data_parallel_size)]
+        if self.tensor_parallel_size > 1:  # vLLM refuses pipeline parallelism to it by name
+            args += ["--distributed-executor-backend", EXECUTOR]
         if self.max_model_len is not None:
             args += ["--max-model-len", str(self.max_model_len)]
         if self.kv_cache_memory_bytes is not None:

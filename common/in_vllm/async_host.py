@@ -14,7 +14,8 @@ import uuid
 from typing import Any
 
 from common.engine_config import EngineConfig
-from common.in_vllm.llm_host import completion_dict, configure_process
+from common.engine_state import RefitState, engine_state, resumes_after
+from common.in_vllm.llm_host import completion_dict, configure_process, refit_llm_args
 
 
 class AsyncLLMHost:
@@ -30,9 +31,8 @@ class AsyncLLMHost:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs = {"skip_tokenizer_init": True, "enforce_eager": True, **self.config.llm_kwargs}
         args = AsyncEngineArgs(model=self.config.model, dtype=self.config.dtype,
-                               weight_transfer_config={"backend": "refit"}, **kwargs)
+                               **refit_llm_args(self.config))
         self.llm = AsyncLLM.from_engine_args(args)
         await self.llm.update_weight_version("0")  # the starting checkpoint
         return await self.num_workers()
@@ -50,8 +50,18 @@ class AsyncLLMHost:
     async def pause(self, mode: str, clear_cache: bool) -> None:
         await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
 
+    async def state(self) -> RefitState:
+        """The engine's refit state, from its workers (`common.engine_state`)."""
+        return engine_state(await self.llm.collective_rpc("refit_state"))
+
     async def resume(self) -> None:
+        """Refused while the engine holds mixed weights or a refit is unfinished."""
+        if why := (await self.state()).refusal("resume"):
+            raise RuntimeError(f"engine {why}")
         await self.llm.resume_generation()
+
+    async def is_paused(self) -> bool:
+        return await self.llm.is_paused()
 
     async def init(self, info: dict) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -64,7 +74,13 @@ class AsyncLLMHost:
     async def update(self, info: dict) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+        before = await self.state()
+        try:
+            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+        except Exception:  # every worker rolled back: serve again (REFIT_ROLLBACK_RESUME)
+            if resumes_after(before, await self.state()) and await self.llm.is_paused():
+                await self.llm.resume_generation()
+            raise
 
     async def finish(self, version: str) -> None:
         await self.llm.finish_weight_update(weight_version=version)
@@ -81,6 +97,8 @@ class AsyncLLMHost:
         in mode keep waits here until the resume)."""
         from vllm import SamplingParams
 
+        if why := (await self.state()).refusal("serve"):
+            raise RuntimeError(f"engine {why}")
         params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, "logprobs": 1,
                                                           **sampling})
 

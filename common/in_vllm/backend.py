@@ -15,6 +15,10 @@ vLLM's own routes and methods:
   other rank) fails the refit on every rank, and the trainers read this worker's timings.
 - `finish_weight_update()`: checks that a refit landed since the start.
 
+Each call moves this worker's refit state (`common.engine_state.RefitState`: complete,
+refitting, landed, mixed, rolled back), which the engine's guard and joining trainers read
+(`common.in_vllm.worker_ext`).
+
 Only vLLM processes import this module (it imports vllm).
 """
 
@@ -23,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -39,6 +43,7 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 
 from common.broadcast import RefitReceiver
 from common.checkpoint import checkpoint_tensors, plan_problems
+from common.engine_state import RefitState
 from common.errors import ROLLED_BACK, NeedsRefusedError
 from common.in_vllm import loaded_hash, map_steps, undo
 from common.in_vllm.apply import DirectLoad
@@ -72,6 +77,7 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
 
     version: int
     verify: bool = False  # `version` is the one this engine holds: fail if a param changes
+    abandon: bool = False  # end a started refit whose trainer is gone (nothing is loaded)
 
 
 class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
@@ -90,6 +96,8 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
         self.landed = False  # a refit landed since start_weight_update
         self.direct: DirectLoad | None = None  # the learned map (REFIT_APPLY=direct)
         self.apply_report: dict = {}
+        self.state = RefitState()  # what this worker holds (module docstring)
+        self._touched = False  # the refit in progress began receiving bytes
 
     @property
     def refit_rank_within_engine(self) -> int:
@@ -155,13 +163,25 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
         if self.in_update:
             raise RuntimeError("a weight update is already in progress")
         self.in_update, self.landed = True, False
+        self.state = self.state.started()
 
     def update_weights(self, update_info: dict) -> None:
-        """One whole refit (see the module docstring); CPU needs no accelerator sync."""
+        """One whole refit (see the module docstring); CPU needs no accelerator sync. Any
+        failure moves the state (complete, rolled back or mixed) before it is raised."""
+        info = self.parse_update_info(update_info)
+        self._touched = False
         try:
-            self.receive_weights(self.parse_update_info(update_info))
+            if info.abandon:
+                raise RuntimeError(f"refit v{info.version} abandoned: its trainer is gone "
+                                   f"(a joining trainer ended it); nothing was loaded")
+            self.receive_weights(info)
+        except Exception as e:
+            self.state = self.state.after_failure(info.version, e, self._touched,
+                                                  self._base_version())
+            raise
         finally:
             self.in_update = False
+        self.state = self.state.after_landing(info.version, self._base_version())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -202,6 +222,7 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
             return digest
 
         failure: Exception | None = None
+        self._touched, self.state = True, replace(self.state, receiving=True)
         try:
             stats = receiver.receive(on_bucket, on_done=finalize, version=version,
                                      on_compact=on_compact, verify=verify)
@@ -261,8 +282,9 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
             log.warning("%s: refit v%d failed; rolled back %d frames to v%s in %.1f ms",
                         self.receiver.group.label, version, count, self.last_version,
                         (time.perf_counter() - t0) * 1e3)
-            self.apply_report.update(undo.base_report(self.receiver.base),
-                                     rolled_back={"version": version, "frames": count})
+            if self.receiver.base is not None:  # (none: nothing had reached the loaders)
+                self.apply_report.update(undo.base_report(self.receiver.base))
+            self.apply_report["rolled_back"] = {"version": version, "frames": count}
         raise error from failure
 
     def _open_reload(self, direct: DirectLoad | None) -> None:
@@ -344,6 +366,12 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
         if not self.landed:
             raise RuntimeError(f"finish_weight_update without a refit that landed since "
                                f"start_weight_update (last complete v{self.last_version})")
+        self.state = self.state.after_finish()
+
+    def _base_version(self) -> int | None:
+        """The version this worker's base holds (deltas go on it, a rollback restores it)."""
+        base = None if self.receiver is None else self.receiver.base
+        return None if base is None else base.version
 
     def shutdown(self) -> None:
         """Leave the refit group (e.g. before rebuilding it after a failure)."""

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from common.engine_config import EngineConfig, cpu_bind_mask, worker_env
+from common.engine_config import EXECUTOR, EngineConfig, cpu_bind_mask, worker_env
+from common.engine_state import RefitState, engine_state, resumes_after
 from common.wire.addresses import bind_process_to
 
 _PAUSED = "engine is paused for a weight update: resume it before generating"
@@ -37,6 +38,17 @@ def configure_process(config: EngineConfig, in_process: bool) -> None:
         bind_process_to(ray.util.get_node_ip_address())
     if config.disable_cpu_amx:
         os.environ["REFIT_DISABLE_CPU_AMX"] = "1"  # applied by refit_vllm_plugin
+
+
+def refit_llm_args(config: EngineConfig) -> dict[str, Any]:
+    """`config.llm_args()`, refit's executor as its class (vLLM refuses pipeline
+    parallelism to an executor given by name)."""
+    args = config.llm_args()
+    if args.get("distributed_executor_backend") == EXECUTOR:
+        from common.in_vllm.executor import RefitMultiprocExecutor
+
+        args["distributed_executor_backend"] = RefitMultiprocExecutor
+    return args
 
 
 def _read_params(worker: Any, names: list[str] | None) -> dict[str, torch.Tensor]:
@@ -67,11 +79,13 @@ class LLMHost:
         configure_process(config, config.in_process_worker)
         from vllm import LLM
 
-        kwargs = {"skip_tokenizer_init": True, "enforce_eager": True, **config.llm_kwargs}
-        self.llm = LLM(model=config.model, dtype=config.dtype,
-                       weight_transfer_config={"backend": "refit"}, **kwargs)
+        self.llm = LLM(model=config.model, dtype=config.dtype, **refit_llm_args(config))
         self.llm.update_weight_version("0")  # the starting checkpoint
         self.paused = False
+
+    def state(self) -> RefitState:
+        """The engine's refit state, from its workers (`common.engine_state`)."""
+        return engine_state(self.llm.collective_rpc("refit_state"))
 
     def num_workers(self) -> int:
         return self.llm.llm_engine.vllm_config.parallel_config.world_size_across_dp
@@ -85,8 +99,14 @@ class LLMHost:
         self.paused = True
 
     def resume(self) -> None:
+        """Refused while the engine holds mixed weights or a refit is unfinished."""
+        if why := self.state().refusal("resume"):
+            raise RuntimeError(f"engine {why}")
         self.llm.wake_up(tags=["scheduling"])
         self.paused = False
+
+    def is_paused(self) -> bool:
+        return self.paused
 
     def init(self, info: dict) -> None:
         self.llm.init_weight_transfer_engine({"init_info": info})
@@ -95,7 +115,15 @@ class LLMHost:
         self.llm.start_weight_update()
 
     def update(self, info: dict) -> None:
-        self.llm.update_weights({"update_info": info})
+        """One refit; one that every worker rolled back resumes the engine (unless
+        REFIT_ROLLBACK_RESUME=0) before its error is raised."""
+        before = self.state()
+        try:
+            self.llm.update_weights({"update_info": info})
+        except Exception:
+            if self.paused and resumes_after(before, self.state()):
+                self.resume()
+            raise
 
     def finish(self, version: str) -> None:
         self.llm.finish_weight_update(weight_version=version)
@@ -108,6 +136,8 @@ class LLMHost:
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  sampling: dict[str, Any]) -> list[dict[str, Any]]:
+        if why := self.state().refusal("serve"):
+            raise RuntimeError(f"engine {why}")
         if self.paused:
             raise RuntimeError(_PAUSED)
         from vllm import SamplingParams

@@ -1,0 +1,192 @@
+"""The engine owns its refit state: a trainer that dies never leaves a `vllm serve` engine
+serving mixed weights, and a new trainer learns the truth at join (TP=2 and TP=1 servers).
+
+Each cycle is a new trainer process (`survive_trainer.trainer_cycle`: a new group on a fresh
+port, the engine joined again, as after a crash): it records what it adopted, lands refits,
+then is SIGKILLed inside the next refit at a chosen point (before its first bucket, mid-way,
+after its last bucket before the status exchange). Between cycles this test asks the server
+itself: with the undo log (or when no byte had arrived) every worker rolled back and the
+server resumed by itself, serving the last version equal to a fresh server on those weights
+(tokens and logprobs: the server's own outputs at its start); without it the server refuses
+`generate` (503) and `POST /resume` (409), naming the failed and the last complete version,
+until the next trainer's refit lands. Even versions carry the starting weights, odd ones the
+changed; every killed refit is odd, so the last complete version is always the start's.
+
+A failed refit at TP=2 (a loader error on one worker) is followed at once by pause, refit and
+resume: each call answers for itself (no reply of the failed call left queued), the refit lands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import requests
+
+from common.broadcast import RefitSender
+from common.clients.engine_client import Completion
+from common.clients.fleet import EngineFleet
+from common.clients.serve import VllmServer
+from common.config import RefitConfig
+from common.engine_state import RefitState
+from common.errors import RefitError
+from common.plan import RefitPlan
+from common.source import DictWeightSource
+from common.wire.group import RefitGroup, free_port
+from recipes.rank_runner import run_ranks
+from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config
+from tests.serve.survive_trainer import FAULTY_EXTENSION, trainer_cycle, weights
+
+pytestmark = pytest.mark.slow
+# (undo log on, where the trainer dies); the first cycle's kill hits the first refit after
+# the learning one (a new plan: every cycle that switches the undo log relearns)
+CYCLES = {2: [(True, "mid_way"), (True, "before_commit"), (True, "before_first_bucket"),
+              (False, "mid_way"), (False, "before_commit"), (False, "before_first_bucket")],
+          1: [(True, "mid_way"), (False, "mid_way")]}
+
+
+@dataclass
+class Served:
+    server: VllmServer
+    tp: int
+    before: list[Completion]  # greedy outputs of the fresh server (starting weights)
+
+
+@pytest.fixture(scope="module", params=[2, 1], ids=["tp2", "tp1"])
+def served(request, checkpoints) -> Iterator[Served]:
+    tp = request.param
+    config = dataclasses.replace(serve_config(checkpoints.start, f"survives-tp{tp}"),
+                                 tensor_parallel_size=tp, worker_extension=FAULTY_EXTENSION)
+    with VllmServer(config) as server:
+        yield Served(server, tp, server.client(timeout_s=TIMEOUT_S).generate(PROMPTS, SHORT))
+
+
+def _pairs(outs: list) -> list:
+    return [[list(o.tokens), list(o.logprobs)] if isinstance(o, Completion) else list(o)
+            for o in outs]
+
+
+def _cycle(served: Served, states: list, tmp_path, undo: bool, landed: list[int],
+           die: tuple[int, str] | None) -> dict:
+    """One trainer process (module docstring); its record (what it adopted, its outputs)."""
+    fleet = EngineFleet([served.server.client()])
+    out = tmp_path / f"cycle-{uuid.uuid4().hex[:8]}.json"
+    result = run_ranks(trainer_cycle, 1, served.server.url, states, undo, landed, die,
+                       str(out), timeout=TIMEOUT_S * 4, allow_dead=die is not None,
+                       group_world=fleet.world_size(1))[0]
+    expected = ("dead", -signal.SIGKILL) if die is not None else "ok"
+    assert result == expected or result[0] == expected, result
+    record = json.loads(out.read_text())
+    assert record["outputs"] == _pairs(served.before), f"after v{landed[-1]}: {record}"
+    assert record["version"] == str(landed[-1])
+    return record
+
+
+def _settled(served: Served) -> RefitState:
+    """The server's state once the killed trainer's refit has ended on its workers."""
+    client = served.server.client(timeout_s=TIMEOUT_S)
+    deadline = time.monotonic() + TIMEOUT_S
+    while (state := client.engine_state()).phase == "refitting" and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+    return state
+
+
+def _check_after_kill(served: Served, undo: bool, point: str, killed: int,
+                      last: int) -> RefitState:
+    """What the server does on its own after its trainer died in refit `killed`."""
+    state, url = _settled(served), served.server.url
+    client = served.server.client(timeout_s=TIMEOUT_S)
+    assert state.failed == killed and state.version == last, state
+    if undo or point == "before_first_bucket":  # every worker restored (or held) v`last`
+        assert state.phase == "rolled_back", state
+        deadline = time.monotonic() + 10.0  # the guard resumes it as the refit's call ends
+        while client.is_paused() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not client.is_paused(), "a rolled-back server resumes by itself"
+        assert _pairs(client.generate(PROMPTS, SHORT)) == _pairs(served.before)
+    else:
+        assert state.phase == "mixed", state
+        for route, status in (("/inference/v1/generate", 503), ("/resume", 409)):
+            body = {"token_ids": PROMPTS[0], "sampling_params": {"max_tokens": 1}}
+            answer = requests.post(url + route, json=body, timeout=TIMEOUT_S)
+            assert answer.status_code == status, (route, answer.status_code, answer.text)
+            assert f"refit v{killed} failed" in answer.text and \
+                f"last complete: v{last}" in answer.text, answer.text
+        assert client.is_paused()
+    assert client.weight_version() == str(last)
+    return state
+
+
+def test_survives_trainer_killed_mid_refit(served, checkpoints, tmp_path) -> None:
+    states, last, previous = checkpoints.states, 0, None
+    for i, (undo, point) in enumerate(CYCLES[served.tp]):
+        landed = [2] if i == 0 else [last + 1, last + 2]
+        killed = landed[-1] + 1
+        t0 = time.perf_counter()
+        record = _cycle(served, states, tmp_path, undo, landed, (killed, point))
+        state = _check_after_kill(served, undo, point, killed, landed[-1])
+        print(f"[survives] tp{served.tp} undo={undo} killed {point} in v{killed}: "
+              f"{state.phase} at v{state.version} ({time.perf_counter() - t0:.1f} s)")
+        if previous is not None:  # this trainer adopted what the previous one left
+            _check_adopted(record, previous)
+        previous, last = (killed, state), landed[-1]
+    record = _cycle(served, states, tmp_path, True, [last + 1, last + 2], None)
+    _check_adopted(record, previous)
+
+
+def _check_adopted(record: dict, previous: tuple) -> None:
+    """A joining trainer adopts the engine's state: the version and a failure (mixed), and
+    meets the server's own refusals of resume and generate while mixed."""
+    killed, state = previous
+    adopted = record["adopted"]
+    assert adopted["state"]["phase"] == state.phase, (adopted, state)
+    assert adopted["version"] == state.version
+    if state.phase == "mixed":
+        assert adopted["failed"][0] == killed, adopted
+        assert "HTTP 409" in record["refused"]["resume"], record["refused"]
+        assert "HTTP 503" in record["refused"]["generate"], record["refused"]
+    else:
+        assert adopted["failed"] is None and record["refused"] == {}, record
+
+
+def test_survives_loader_error_on_one_worker_then_each_call_answers_for_itself(
+        served, checkpoints) -> None:
+    if served.tp != 2:
+        pytest.skip("a loader error on one worker of several: the TP=2 server")
+    server, states = served.server, checkpoints.states
+    engine = server.client(timeout_s=TIMEOUT_S)
+    fleet, port = EngineFleet([engine]), free_port()
+    joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=TIMEOUT_S)
+    group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=fleet.world_size(1),
+                       num_trainers=1, timeout_s=TIMEOUT_S, device="cpu")
+    plan = RefitPlan.build(DictWeightSource(states[0]).plan_specs(),
+                           RefitConfig(bucket_bytes=16 << 10))
+    sender = RefitSender.setup(group, plan)
+    joining.result(TIMEOUT_S)
+    try:
+        v = engine.version + 2 - engine.version % 2  # even: the starting weights
+        fleet.refit(lambda: sender.refit(DictWeightSource(weights(states, v)), v), v,
+                    group=group)  # lands (learns the map if this plan is new)
+        requests.post(server.url + "/collective_rpc", timeout=TIMEOUT_S,
+                      json={"method": "arm_loader_fault", "args": ["1"]}).raise_for_status()
+        with pytest.raises(RefitError, match="injected loader fault on worker 1"):
+            fleet.refit(lambda: sender.refit(DictWeightSource(weights(states, v + 1)), v + 1),
+                        v + 1, group=group)
+        assert engine.engine_state().phase == "mixed"
+        engine.pause("keep")  # answers for itself: not the failed refit's queued reply
+        assert engine.is_paused() and engine.weight_version() == str(v)
+        fleet.refit(lambda: sender.refit(DictWeightSource(weights(states, v + 2)), v + 2),
+                    v + 2, group=group)
+        state = engine.engine_state()
+        assert (state.phase, state.version) == ("complete", v + 2), state
+        assert not engine.is_paused() and engine.weight_version() == str(v + 2)
+        assert _pairs(engine.generate(PROMPTS, SHORT)) == _pairs(served.before)
+    finally:
+        group.destroy()
