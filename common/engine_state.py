@@ -75,6 +75,8 @@ class RefitState:
 
     def refusal(self, action: str) -> str | None:
         """Why this engine must not `action` ("serve" or "resume") now, or None."""
+        if self.phase == "mixed" and self.failed is None:
+            return f"refusing to {action}: its refit state is unknown ({self.why})"
         if self.phase == "mixed":
             return (f"refusing to {action}: refit v{self.failed} failed after loading part of "
                     f"its weights and was not rolled back, so the engine holds a mix of "

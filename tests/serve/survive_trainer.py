@@ -26,7 +26,6 @@ from common.wire.group import RefitGroup
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S
 
 REFIT_TIMEOUT_S = 30.0
-KILL_POINTS = ("before_first_bucket", "mid_way", "before_commit")
 FAULTY_EXTENSION = "tests.serve.survive_trainer.FaultyLoaderExtension"
 
 
@@ -54,12 +53,16 @@ class _DyingSource(DictWeightSource):
 
 
 def _dying_refit(sender: RefitSender, state: dict, version: int, point: str) -> None:
-    if point == "before_commit":  # every bucket sent, then death before the status exchange
+    """before_first_bucket, mid_way; before_commit: every bucket sent, death before the
+    status exchange; before_finish: the refit landed on every rank, death before `finish`."""
+    if point == "before_commit":
         sender.finish = lambda *args: _die()
+    if point in ("before_commit", "before_finish"):
         source = DictWeightSource(state)
     else:
         source = _DyingSource(state, 0 if point == "before_first_bucket" else len(state) // 2)
     sender.refit(source, version)
+    _die()
 
 
 def trainer_cycle(rank: int, world: int, port: int, url: str, states: list, undo: bool,

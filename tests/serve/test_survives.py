@@ -4,7 +4,9 @@ serving mixed weights, and a new trainer learns the truth at join (TP=2 and TP=1
 Each cycle is a new trainer process (`survive_trainer.trainer_cycle`: a new group on a fresh
 port, the engine joined again, as after a crash): it records what it adopted, lands refits,
 then is SIGKILLed inside the next refit at a chosen point (before its first bucket, mid-way,
-after its last bucket before the status exchange). Between cycles this test asks the server
+after its last bucket before the status exchange, or once the refit landed on every rank
+before its `finish`: the server then refuses `POST /resume`, and the next trainer's join
+commits the version). Between cycles this test asks the server
 itself: with the undo log (or when no byte had arrived) every worker rolled back and the
 server resumed by itself, serving the last version equal to a fresh server on those weights
 (tokens and logprobs: the server's own outputs at its start); without it the server refuses
@@ -47,7 +49,8 @@ pytestmark = pytest.mark.slow
 # (undo log on, where the trainer dies); the first cycle's kill hits the first refit after
 # the learning one (a new plan: every cycle that switches the undo log relearns)
 CYCLES = {2: [(True, "mid_way"), (True, "before_commit"), (True, "before_first_bucket"),
-              (False, "mid_way"), (False, "before_commit"), (False, "before_first_bucket")],
+              (False, "mid_way"), (False, "before_commit"), (False, "before_first_bucket"),
+              (False, "before_finish")],
           1: [(True, "mid_way"), (False, "mid_way")]}
 
 
@@ -55,7 +58,7 @@ CYCLES = {2: [(True, "mid_way"), (True, "before_commit"), (True, "before_first_b
 class Served:
     server: VllmServer
     tp: int
-    before: list[Completion]  # greedy outputs of the fresh server (starting weights)
+    before: list  # greedy outputs of the fresh server (starting weights), as `pairs`
 
 
 @pytest.fixture(scope="module", params=[2, 1], ids=["tp2", "tp1"])
@@ -64,12 +67,13 @@ def served(request, checkpoints) -> Iterator[Served]:
     config = dataclasses.replace(serve_config(checkpoints.start, f"survives-tp{tp}"),
                                  tensor_parallel_size=tp, worker_extension=FAULTY_EXTENSION)
     with VllmServer(config) as server:
-        yield Served(server, tp, server.client(timeout_s=TIMEOUT_S).generate(PROMPTS, SHORT))
+        yield Served(server, tp, pairs(server.client(timeout_s=TIMEOUT_S)
+                                       .generate(PROMPTS, SHORT)))
 
 
-def _pairs(outs: list) -> list:
-    return [[list(o.tokens), list(o.logprobs)] if isinstance(o, Completion) else list(o)
-            for o in outs]
+def pairs(outs: list[Completion]) -> list:
+    """Completions as [tokens, logprobs] lists (as a trainer's record holds them)."""
+    return [[list(o.tokens), list(o.logprobs)] for o in outs]
 
 
 def _cycle(served: Served, states: list, tmp_path, undo: bool, landed: list[int],
@@ -83,7 +87,7 @@ def _cycle(served: Served, states: list, tmp_path, undo: bool, landed: list[int]
     expected = ("dead", -signal.SIGKILL) if die is not None else "ok"
     assert result == expected or result[0] == expected, result
     record = json.loads(out.read_text())
-    assert record["outputs"] == _pairs(served.before), f"after v{landed[-1]}: {record}"
+    assert record["outputs"] == served.before, f"after v{landed[-1]}: {record}"
     assert record["version"] == str(landed[-1])
     return record
 
@@ -103,6 +107,12 @@ def _check_after_kill(served: Served, undo: bool, point: str, killed: int,
     """What the server does on its own after its trainer died in refit `killed`."""
     state, url = _settled(served), served.server.url
     client = served.server.client(timeout_s=TIMEOUT_S)
+    if point == "before_finish":  # landed on every worker, never committed: no resume
+        assert (state.phase, state.landed, state.version) == ("landed", killed, last), state
+        answer = requests.post(url + "/resume", timeout=TIMEOUT_S)
+        assert answer.status_code == 409 and "not finished" in answer.text, answer.text
+        assert client.is_paused() and client.weight_version() == str(last)
+        return state
     assert state.failed == killed and state.version == last, state
     if undo or point == "before_first_bucket":  # every worker restored (or held) v`last`
         assert state.phase == "rolled_back", state
@@ -110,7 +120,7 @@ def _check_after_kill(served: Served, undo: bool, point: str, killed: int,
         while client.is_paused() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not client.is_paused(), "a rolled-back server resumes by itself"
-        assert _pairs(client.generate(PROMPTS, SHORT)) == _pairs(served.before)
+        assert pairs(client.generate(PROMPTS, SHORT)) == served.before
     else:
         assert state.phase == "mixed", state
         for route, status in (("/inference/v1/generate", 503), ("/resume", 409)):
@@ -125,9 +135,17 @@ def _check_after_kill(served: Served, undo: bool, point: str, killed: int,
 
 
 def test_survives_trainer_killed_mid_refit(served, checkpoints, tmp_path) -> None:
-    states, last, previous = checkpoints.states, 0, None
-    for i, (undo, point) in enumerate(CYCLES[served.tp]):
-        landed = [2] if i == 0 else [last + 1, last + 2]
+    run_cycles(served, checkpoints.states, tmp_path, CYCLES[served.tp], 0)
+
+
+def run_cycles(served: Served, states: list, tmp_path, cycles: list[tuple[bool, str]],
+               last: int) -> None:
+    """Trainer processes killed at each (undo log, point) of `cycles` in turn, the server
+    checked after each, then one that lands refits (module docstring); `last`: the version
+    the server holds (0: a fresh server, whose first refit then carries v2)."""
+    previous = None
+    for undo, point in cycles:
+        landed = [2] if last == 0 else _to_start_weights(last)
         killed = landed[-1] + 1
         t0 = time.perf_counter()
         record = _cycle(served, states, tmp_path, undo, landed, (killed, point))
@@ -137,8 +155,15 @@ def test_survives_trainer_killed_mid_refit(served, checkpoints, tmp_path) -> Non
         if previous is not None:  # this trainer adopted what the previous one left
             _check_adopted(record, previous)
         previous, last = (killed, state), landed[-1]
-    record = _cycle(served, states, tmp_path, True, [last + 1, last + 2], None)
+        if state.phase == "landed":  # the next trainer's join commits it
+            last = killed
+    record = _cycle(served, states, tmp_path, True, _to_start_weights(last), None)
     _check_adopted(record, previous)
+
+
+def _to_start_weights(last: int) -> list[int]:
+    """Versions after `last` up to an even one (the starting weights): two, or one."""
+    return [last + 1, last + 2] if last % 2 == 0 else [last + 1]
 
 
 def _check_adopted(record: dict, previous: tuple) -> None:
@@ -146,6 +171,10 @@ def _check_adopted(record: dict, previous: tuple) -> None:
     meets the server's own refusals of resume and generate while mixed."""
     killed, state = previous
     adopted = record["adopted"]
+    if state.phase == "landed":  # the join committed it
+        assert (adopted["state"]["phase"], adopted["version"]) == ("complete", killed), adopted
+        assert adopted["failed"] is None and record["refused"] == {}, record
+        return
     assert adopted["state"]["phase"] == state.phase, (adopted, state)
     assert adopted["version"] == state.version
     if state.phase == "mixed":
@@ -187,6 +216,6 @@ def test_survives_loader_error_on_one_worker_then_each_call_answers_for_itself(
         state = engine.engine_state()
         assert (state.phase, state.version) == ("complete", v + 2), state
         assert not engine.is_paused() and engine.weight_version() == str(v + 2)
-        assert _pairs(engine.generate(PROMPTS, SHORT)) == _pairs(served.before)
+        assert pairs(engine.generate(PROMPTS, SHORT)) == served.before
     finally:
         group.destroy()

@@ -7,11 +7,12 @@ and each receives about half of the plan's bytes (shard-to-shard). Then two delt
 few percent of the elements changed, then changed back): every worker rebuilds its compact
 frames from its base, loads model-format bytes whose hash (in its status record) equals the
 one it loaded from the whole v3, and both replicas again generate exactly what the fresh
-server does.
+server does. Then trainers killed mid-refit, with and without the undo log (`-k survives`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -25,6 +26,7 @@ from common.source import DictWeightSource
 from common.wire.group import RefitGroup, free_port
 from tests.dtensor_vllm.helpers import perturb
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config, timed
+from tests.serve.test_survives import Served, run_cycles
 
 pytestmark = pytest.mark.slow
 TP, DP = 2, 2
@@ -57,56 +59,85 @@ def _delta_refits(fleet, sender, source, group, want, v3_hashes: dict[int, str])
         assert _greedy(engine, r) == want, f"after the delta refits replica {r} differs"
 
 
-def test_shard_and_delta_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_engine(
-        checkpoints) -> None:
+@pytest.fixture(scope="module")
+def want(checkpoints) -> tuple[list, list]:
+    """A fresh TP2 server's greedy outputs on the changed weights (stopped before the TP2 x
+    DP2 server starts: one server at a time)."""
     config = replace(serve_config(checkpoints.changed, "reference_tp2"), tensor_parallel_size=TP)
     with VllmServer(config) as fresh:
         print(f"[serve] fresh TP2 server ready in {fresh.wait_ready():.1f} s")
-        want = _greedy(fresh.client(timeout_s=TIMEOUT_S))
+        return _greedy(fresh.client(timeout_s=TIMEOUT_S))
+
+
+@pytest.fixture(scope="module")
+def replicas(checkpoints) -> Iterator[tuple[VllmServer, list]]:
+    """The TP2 x DP2 server and each replica's greedy outputs on the starting weights (a test
+    that also needs `want` asks for it first)."""
     config = replace(serve_config(checkpoints.start, "tp2_dp2"), tensor_parallel_size=TP,
                      data_parallel_size=DP, hash_loaded=True)
     with VllmServer(config) as server:
         print(f"[serve] TP2 x DP2 server ready in {server.wait_ready():.1f} s")
         engine = server.client(timeout_s=TIMEOUT_S)
-        assert engine.num_workers() == TP * DP
         before = [_greedy(engine, r) for r in range(DP)]
         assert before[0] == before[1]
-        fleet, port = EngineFleet([engine]), free_port()
-        assert fleet.rank_names(1) == {r: f"engine {server.url}" for r in range(1, 5)}
-        with timed("join: 1 trainer + 4 engine workers"):
-            joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=TIMEOUT_S)
-            group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=1 + TP * DP,
-                               num_trainers=1, timeout_s=TIMEOUT_S, device="cpu",
-                               rank_names=fleet.rank_names(1))
-            source = DictWeightSource(checkpoints.states[1])
-            sender = RefitSender.setup(group, RefitPlan.build(
-                source.plan_specs(), RefitConfig(bucket_bytes=64 << 10, delta=True,
-                                                 undo_bytes=64 << 20)))
-            joining.result(TIMEOUT_S)
-        try:
-            with timed("refit v1 into 4 workers"):
-                stats = fleet.refit(lambda: sender.refit(source, 1), 1, group=group)
+        yield server, before
+
+
+def test_shard_and_delta_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_engine(
+        checkpoints, want, replicas) -> None:
+    server, before = replicas
+    engine = server.client(timeout_s=TIMEOUT_S)
+    assert engine.num_workers() == TP * DP
+    fleet, port = EngineFleet([engine]), free_port()
+    assert fleet.rank_names(1) == {r: f"engine {server.url}" for r in range(1, 5)}
+    with timed("join: 1 trainer + 4 engine workers"):
+        joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=TIMEOUT_S)
+        group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=1 + TP * DP,
+                           num_trainers=1, timeout_s=TIMEOUT_S, device="cpu",
+                           rank_names=fleet.rank_names(1))
+        source = DictWeightSource(checkpoints.states[1])
+        sender = RefitSender.setup(group, RefitPlan.build(
+            source.plan_specs(), RefitConfig(bucket_bytes=64 << 10, delta=True,
+                                             undo_bytes=64 << 20)))
+        joining.result(TIMEOUT_S)
+    try:
+        with timed("refit v1 into 4 workers"):
+            stats = fleet.refit(lambda: sender.refit(source, 1), 1, group=group)
+        print(f"[serve] {stats.summary()}")
+        assert sorted(stats.receivers) == [1, 2, 3, 4]  # every worker reported its times
+        assert engine.weight_version() == "1"
+        for r in range(DP):
+            got = _greedy(engine, r)
+            assert got == want, f"replica {r} differs from a fresh TP2 engine"
+            assert got[0] != before[r][0]
+        # v1 taught every worker its load map (its own TP shard); v2 and v3 apply it
+        for version, state, expected in ((2, 0, before), (3, 1, [want, want])):
+            source.tensors = checkpoints.states[state]
+            stats = fleet.refit(lambda v=version: sender.refit(source, v), version,
+                                group=group)
             print(f"[serve] {stats.summary()}")
-            assert sorted(stats.receivers) == [1, 2, 3, 4]  # every worker reported its times
-            assert engine.weight_version() == "1"
+            sets = {r: t["need_set"] for r, t in stats.receivers.items()}
+            assert sets[1] == sets[3] != sets[2] == sets[4], sets  # one set per TP rank
+            for rank, t in stats.receivers.items():
+                assert t["wire_bytes"] <= 0.55 * stats.nbytes, (rank, t, stats.nbytes)
             for r in range(DP):
-                got = _greedy(engine, r)
-                assert got == want, f"replica {r} differs from a fresh TP2 engine"
-                assert got[0] != before[r][0]
-            # v1 taught every worker its load map (its own TP shard); v2 and v3 apply it
-            for version, state, expected in ((2, 0, before), (3, 1, [want, want])):
-                source.tensors = checkpoints.states[state]
-                stats = fleet.refit(lambda v=version: sender.refit(source, v), version,
-                                    group=group)
-                print(f"[serve] {stats.summary()}")
-                sets = {r: t["need_set"] for r, t in stats.receivers.items()}
-                assert sets[1] == sets[3] != sets[2] == sets[4], sets  # one set per TP rank
-                for rank, t in stats.receivers.items():
-                    assert t["wire_bytes"] <= 0.55 * stats.nbytes, (rank, t, stats.nbytes)
-                for r in range(DP):
-                    assert _greedy(engine, r) == expected[r], f"v{version}: replica {r} differs"
-            hashes = _loaded_hashes(stats)  # v3's: the same TP rank loaded the same bytes
-            assert hashes[1] == hashes[3] != hashes[2] == hashes[4], hashes
-            _delta_refits(fleet, sender, source, group, want, hashes)
-        finally:
-            group.destroy()
+                assert _greedy(engine, r) == expected[r], f"v{version}: replica {r} differs"
+        hashes = _loaded_hashes(stats)  # v3's: the same TP rank loaded the same bytes
+        assert hashes[1] == hashes[3] != hashes[2] == hashes[4], hashes
+        _delta_refits(fleet, sender, source, group, want, hashes)
+    finally:
+        group.destroy()
+
+
+def test_survives_tp2_dp2_trainers_killed_mid_refit(checkpoints, replicas, tmp_path) -> None:
+    """The crash-restart path at TP2 x DP2 (`tests/serve/test_survives.py`): a trainer killed
+    mid-refit with the undo log (both replicas roll back and serve), one without (the server
+    refuses until the next trainer's refit lands); then both replicas serve the starting
+    weights as the fresh server did."""
+    server, before = replicas
+    engine = server.client(timeout_s=TIMEOUT_S)
+    start = [[tokens, logprobs] for tokens, logprobs in zip(*before[0], strict=True)]
+    run_cycles(Served(server, TP, start), checkpoints.states, tmp_path,
+               [(True, "mid_way"), (False, "mid_way")], int(engine.weight_version()))
+    for r in range(DP):
+        assert _greedy(engine, r) == before[r], f"replica {r} differs after the cycles"
