@@ -8,7 +8,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 DURATIONS=${DURATIONS:-10}
-REMOTE=(tests/serve tests/ray tests/mcore_vllm tests/dtensor_vllm/test_ray_engine.py)
+# tests/serve/test_survives.py (two servers of its own) runs with everything else: balance
+REMOTE=(tests/serve/test_fsdp_recipe.py tests/serve/test_http_engine.py
+        tests/serve/test_serve_failures.py tests/serve/test_tp_replicas.py
+        tests/serve/test_verdict.py tests/ray tests/mcore_vllm
+        tests/dtensor_vllm/test_ray_engine.py)
 ignore=()
 for path in "${REMOTE[@]}"; do ignore+=(--ignore="$path"); done
 log=$(mktemp -t refit-tests-remote.XXXXXX)
