@@ -15,6 +15,7 @@ from common.endpoint import Endpoint
 from common.errors import RefitAborted, RefitError
 from common.handshake import PlanCheck, agree_on_plan
 from common.needs import Needs
+from common.packing import unpack
 from common.plan import Bucket, RefitPlan
 from common.sharding import Route
 from common.stats import RefitStats
@@ -53,6 +54,10 @@ class RefitReceiver(Endpoint):
         self._scratch: list[torch.Tensor] = []
         self.applied: list[tuple[Bucket, Route, int]] = []  # this refit's frames handed over
         self.undo_refusal: str | None = NO_UNDO  # why the last failed refit cannot roll back
+        # Host staging: a group on the host whose worker applies on `apply_device` (a CUDA
+        # engine refit by CPU trainers over gloo): each frame is copied there, then loaded.
+        self.apply_device: torch.device | None = None
+        self._staged: torch.Tensor | None = None
 
     def keep_base_of(self, old: RefitReceiver | None) -> None:
         """Carry `old`'s base over (a new group for the same plan: the next refit can still
@@ -64,7 +69,8 @@ class RefitReceiver(Endpoint):
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is a view into one of this receiver's reusable buffers."""
         ptr = tensor.untyped_storage().data_ptr()
-        buffers = [*self.buffers, *(b for c in self.compact.values() for b in c.buffers)]
+        buffers = [*self.buffers, *(b for c in self.compact.values() for b in c.buffers),
+                   *([self._staged] if self._staged is not None else [])]
         return any(ptr == b.untyped_storage().data_ptr() for b in buffers)
 
     def receive(self, on_bucket: BucketCallback, on_done: Callable[[], str | None] | None = None,
@@ -263,6 +269,7 @@ class RefitReceiver(Endpoint):
         stats.buckets_loaded += 1  # also when it fails: it may have loaded a part
         error = None
         try:
+            payload = self._on_apply_device(payload)
             if route.gather is None:
                 on_bucket(self._unpack(bucket, payload))
             elif on_compact is None:
@@ -308,7 +315,20 @@ class RefitReceiver(Endpoint):
         if bucket.oversize:
             spec = self.plan.specs[bucket.start]
             return [(spec.name, target.view(spec.dtype).view(spec.shape))]
+        if target.device != self.group.device:  # staged onto the apply device
+            return unpack(target, self.plan.specs[bucket.start:bucket.stop], bucket.offsets)
         return self.layouts[bucket.index].unpack()
+
+    def _on_apply_device(self, payload: torch.Tensor) -> torch.Tensor:
+        """Host staging: the frame's bytes in one reused buffer on the apply device."""
+        if self.apply_device is None or payload.device == self.apply_device:
+            return payload
+        if self._staged is None or self._staged.numel() < payload.numel():
+            self._staged = torch.empty(payload.numel(), dtype=torch.uint8,
+                                       device=self.apply_device)
+        staged = self._staged[: payload.numel()]
+        staged.copy_(payload)
+        return staged
 
     def verify_bytes(self, bucket: Bucket, header: Header, payload: torch.Tensor,
                      expected: int, stats: RefitStats,

@@ -86,12 +86,14 @@ class OneTrainer:
 
 
 def join_one_trainer(engines: list, state: dict[str, torch.Tensor], timeout_s: float = 60.0,
-                     bucket_bytes: int = 16 << 10, **config: object) -> OneTrainer:
+                     bucket_bytes: int = 16 << 10, transport_device: str | None = None,
+                     **config: object) -> OneTrainer:
     """The engines join a fresh refit group; this process sends `state` in each refit;
-    `timeout_s` bounds the join and each refit's waits; `config`: other `RefitConfig`
-    fields."""
+    `timeout_s` bounds the join and each refit's waits; `transport_device` "cpu": CUDA
+    engines join over gloo (host staging); `config`: other `RefitConfig` fields."""
     fleet, port = EngineFleet(engines), free_port()
-    joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=timeout_s)
+    joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=timeout_s,
+                               transport_device=transport_device)
     group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=fleet.world_size(1),
                        num_trainers=1, timeout_s=timeout_s, device="cpu",
                        rank_names=fleet.rank_names(1))

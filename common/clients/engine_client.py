@@ -60,6 +60,7 @@ class JoinInfo:
     rank_offset: int
     timeout_s: float = 300.0
     group_name: str = "refit"
+    transport_device: str | None = None  # None: each worker's own device; "cpu": host staging
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

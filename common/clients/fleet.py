@@ -45,10 +45,15 @@ class EngineFleet:
         return names
 
     def join_async(self, host: str, port: int, num_trainers: int, timeout_s: float = 300.0,
-                   group_name: str = "refit") -> FleetFuture:
+                   group_name: str = "refit", transport_device: str | None = None,
+                   ) -> FleetFuture:
+        """Every engine joins (its workers as the ranks after the previous engine's);
+        `transport_device` "cpu": CUDA engines join the trainers' group over gloo on the host
+        (host staging: each frame is copied to the GPU, then applied)."""
         world, offset, futures = self.world_size(num_trainers), num_trainers, []
         for engine in self.engines:
-            info = JoinInfo(host, port, world, num_trainers, offset, timeout_s, group_name)
+            info = JoinInfo(host, port, world, num_trainers, offset, timeout_s, group_name,
+                            transport_device)
             futures.append(engine.join_async(info))
             offset += engine.num_workers()
         return FleetFuture(futures)

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from vllm.model_executor.layers.attention import is_deferred_attention_layer
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.model_loader.reload.layerwise import (
     LAYERWISE_INFO,
@@ -27,9 +26,14 @@ from vllm.model_executor.model_loader.reload.layerwise import (
     get_layerwise_info,
     initialize_layerwise_reload,
 )
-from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, materialize_layer
-from vllm.model_executor.model_loader.reload.utils import get_layer_tensors, get_tensor_load_numel
+from vllm.model_executor.model_loader.reload.meta import materialize_layer
+from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
+from common.in_vllm.compat import (
+    SKIP_LOAD_TENSORS,
+    get_tensor_load_numel,
+    is_deferred_attention_layer,
+)
 from common.in_vllm.load_map import BucketCopy, CopyRecorder, Dest, Fill, byte_runs, tiles_exactly
 from common.in_vllm.loaded_hash import LoadedHashes
 from common.needs import ByteRanges, Needs

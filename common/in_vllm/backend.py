@@ -69,6 +69,9 @@ class RefitInitInfo(WeightTransferInitInfo):
     rank_offset: int  # this engine's first refit rank
     timeout_s: float = 300.0
     group_name: str = "refit"
+    # The refit group's device; None: this worker's. "cpu" on a CUDA engine: host staging
+    # (gloo with CPU trainers; each frame is copied to the GPU, then applied).
+    transport_device: str | None = None
 
 
 @dataclass
@@ -110,16 +113,19 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
         old = self.receiver
         self.shutdown()
         rank = init_info.rank_offset + self.refit_rank_within_engine
+        wire = torch.device(init_info.transport_device or self.device)
         group = RefitGroup(host=init_info.host, port=init_info.port, rank=rank,
                            world_size=init_info.world_size, num_trainers=init_info.num_trainers,
-                           timeout_s=init_info.timeout_s, device=self.device,
+                           timeout_s=init_info.timeout_s, device=wire,
                            name=init_info.group_name)
         try:
             self.receiver = RefitReceiver.setup(group, check=self._check_plan,
-                                                base_place=undo.base_place(self.device))
+                                                base_place=undo.base_place(wire))
         except Exception:
             group.destroy()
             raise
+        if wire.type != self.device.type:
+            self.receiver.apply_device = self.device
         plan = self.receiver.plan
         self.receiver.keep_base_of(old)  # a rejoin keeps its base: deltas and rollback go on
         if self.direct is not None and self.direct.plan_digest != plan.digest:
@@ -133,6 +139,12 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
                            if b.stop > b.start}
         log.info("%s: joined with plan %s (%d tensors, %d buckets)", group.label,
                  plan.digest[:12], len(plan.specs), len(plan.buckets))
+
+    @staticmethod
+    def trainer_send_weights(*args: object, **kwargs: object) -> None:
+        """vLLM's trainer-side send (abstract in vLLM 0.26): refit's trainers send with
+        `common.broadcast.RefitSender` instead."""
+        raise NotImplementedError("refit's trainers send with common.broadcast.RefitSender")
 
     def _check_plan(self, plan: RefitPlan) -> str | None:
         """Why this engine cannot take `plan` (every problem, naming the tensors); None if it

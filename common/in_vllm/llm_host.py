@@ -79,8 +79,12 @@ class LLMHost:
         configure_process(config, config.in_process_worker)
         from vllm import LLM
 
+        from common.in_vllm.compat import has_weight_versions
+
         self.llm = LLM(model=config.model, dtype=config.dtype, **refit_llm_args(config))
-        self.llm.update_weight_version("0")  # the starting checkpoint
+        # vLLM without weight versions (0.26): the host keeps the engine's version
+        self.version: str | None = None if has_weight_versions() else "0"
+        self.set_version("0")  # the starting checkpoint
         self.paused = False
 
     def state(self) -> RefitState:
@@ -126,13 +130,20 @@ class LLMHost:
             raise
 
     def finish(self, version: str) -> None:
-        self.llm.finish_weight_update(weight_version=version)
+        if self.version is None:
+            self.llm.finish_weight_update(weight_version=version)
+        else:
+            self.llm.finish_weight_update()
+            self.version = version
 
     def get_version(self) -> str:
-        return self.llm.get_weight_version()
+        return self.llm.get_weight_version() if self.version is None else self.version
 
     def set_version(self, version: str) -> None:
-        self.llm.update_weight_version(version)
+        if self.version is None:
+            self.llm.update_weight_version(version)
+        else:
+            self.version = version
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  sampling: dict[str, Any]) -> list[dict[str, Any]]:
@@ -170,7 +181,8 @@ def completion_dict(seq: Any) -> dict[str, Any]:
     `common.clients.engine_client.Completion`)."""
     logprobs = [step[t].logprob for t, step in zip(seq.token_ids, seq.logprobs or [],
                                                      strict=False)]
-    spans = [(s.version, s.start, s.end) for s in (seq.weight_versions or [])]
+    spans = [(s.version, s.start, s.end) for s in (getattr(seq, "weight_versions", None)
+                                                    or [])]  # none in vLLM 0.26
     return {"tokens": list(seq.token_ids), "logprobs": logprobs,
             "finish_reason": str(seq.finish_reason), "weight_versions": spans}
 

@@ -107,17 +107,19 @@ def trainer_cycle(rank: int, world: int, port: int, url: str, states: list, undo
 
 
 class FaultyLoaderExtension(RefitWorkerExtension):
-    """Refit's worker extension plus `arm_loader_fault`: the next refit's first bucket fails
-    to load on the worker of that rank (a loader error on one worker)."""
+    """Refit's worker extension plus `arm_loader_fault`: every load of the next `refits`
+    refits (a rollback counts as one) fails on the worker of that rank."""
 
-    def arm_loader_fault(self, rank: str) -> None:
+    def arm_loader_fault(self, rank: str, refits: str = "1") -> None:
         if int(rank) != self.rank:
             return
         engine = self.weight_transfer_engine
-        real = engine._loaders
+        real, left = engine._loaders, [int(refits)]
 
         def loaders(*args, **kwargs):
-            engine._loaders = real  # one refit only
+            left[0] -= 1
+            if left[0] == 0:
+                engine._loaders = real
 
             def fail(*_args, **_kwargs):
                 raise RuntimeError(f"injected loader fault on worker {self.rank}")

@@ -20,6 +20,7 @@ resume: each call answers for itself (no reply of the failed call left queued), 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import signal
@@ -185,37 +186,76 @@ def _check_adopted(record: dict, previous: tuple) -> None:
         assert adopted["failed"] is None and record["refused"] == {}, record
 
 
-def test_survives_loader_error_on_one_worker_then_each_call_answers_for_itself(
-        served, checkpoints) -> None:
+@contextlib.contextmanager
+def _trainer(served: Served, states: list, undo: bool) -> Iterator[tuple]:
+    """This process as the one trainer of a new group with the TP=2 server, joined; yields
+    (engine client, refit(version) that lands or raises, the even version it refit first)."""
     if served.tp != 2:
         pytest.skip("a loader error on one worker of several: the TP=2 server")
-    server, states = served.server, checkpoints.states
-    engine = server.client(timeout_s=TIMEOUT_S)
+    engine = served.server.client(timeout_s=TIMEOUT_S)
     fleet, port = EngineFleet([engine]), free_port()
     joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=TIMEOUT_S)
     group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=fleet.world_size(1),
                        num_trainers=1, timeout_s=TIMEOUT_S, device="cpu")
-    plan = RefitPlan.build(DictWeightSource(states[0]).plan_specs(),
-                           RefitConfig(bucket_bytes=16 << 10))
-    sender = RefitSender.setup(group, plan)
+    config = RefitConfig(bucket_bytes=16 << 10, undo_bytes=(1 << 30) if undo else 0)
+    sender = RefitSender.setup(group, RefitPlan.build(DictWeightSource(states[0])
+                                                      .plan_specs(), config))
     joining.result(TIMEOUT_S)
+
+    def refit(v: int) -> None:
+        fleet.refit(lambda: sender.refit(DictWeightSource(weights(states, v)), v), v,
+                    group=group)
+
     try:
         v = engine.version + 2 - engine.version % 2  # even: the starting weights
-        fleet.refit(lambda: sender.refit(DictWeightSource(weights(states, v)), v), v,
-                    group=group)  # lands (learns the map if this plan is new)
-        requests.post(server.url + "/collective_rpc", timeout=TIMEOUT_S,
-                      json={"method": "arm_loader_fault", "args": ["1"]}).raise_for_status()
+        refit(v)  # lands (learns the map if this plan is new)
+        yield engine, refit, v
+    finally:
+        group.destroy()
+
+
+def _arm_loader_fault(served: Served, refits: int) -> None:
+    """Worker 1's loads fail in the next `refits` refits (a rollback counts as one)."""
+    requests.post(served.server.url + "/collective_rpc", timeout=TIMEOUT_S,
+                  json={"method": "arm_loader_fault", "args": ["1", str(refits)]}
+                  ).raise_for_status()
+
+
+def test_survives_loader_error_on_one_worker_then_each_call_answers_for_itself(
+        served, checkpoints) -> None:
+    with _trainer(served, checkpoints.states, undo=False) as (engine, refit, v):
+        _arm_loader_fault(served, 1)
         with pytest.raises(RefitError, match="injected loader fault on worker 1"):
-            fleet.refit(lambda: sender.refit(DictWeightSource(weights(states, v + 1)), v + 1),
-                        v + 1, group=group)
+            refit(v + 1)
         assert engine.engine_state().phase == "mixed"
         engine.pause("keep")  # answers for itself: not the failed refit's queued reply
         assert engine.is_paused() and engine.weight_version() == str(v)
-        fleet.refit(lambda: sender.refit(DictWeightSource(weights(states, v + 2)), v + 2),
-                    v + 2, group=group)
+        refit(v + 2)
         state = engine.engine_state()
         assert (state.phase, state.version) == ("complete", v + 2), state
         assert not engine.is_paused() and engine.weight_version() == str(v + 2)
         assert pairs(engine.generate(PROMPTS, SHORT)) == served.before
-    finally:
-        group.destroy()
+
+
+def test_survives_guarantee_rolled_back_only_if_every_worker_did(served, checkpoints) -> None:
+    """Issue 34 item 11, at TP=2 with the undo log: a refit that fails on worker 1 rolls back
+    on both workers and the engine serves on; one whose rollback worker 1 cannot do (its
+    loads fail again) is "not rolled back" on both (the engine's agreement over vLLM's own
+    group) and the engine refuses to serve until a refit lands."""
+    with _trainer(served, checkpoints.states, undo=True) as (engine, refit, v):
+        _arm_loader_fault(served, 1)
+        with pytest.raises(RefitError, match="every worker of this engine rolled back"):
+            refit(v + 1)
+        assert engine.engine_state().phase == "rolled_back"
+        assert pairs(engine.generate(PROMPTS, SHORT)) == served.before
+        _arm_loader_fault(served, 2)  # the refit and its rollback
+        with pytest.raises(RefitError) as failed:
+            refit(v + 1)
+        assert "not rolled back" in str(failed.value), failed.value
+        state = engine.engine_state()
+        assert (state.phase, state.failed, state.version) == ("mixed", v + 1, v), state
+        answer = requests.post(served.server.url + "/inference/v1/generate", timeout=TIMEOUT_S,
+                               json={"token_ids": PROMPTS[0]})
+        assert answer.status_code == 503, answer.text
+        refit(v + 2)
+        assert pairs(engine.generate(PROMPTS, SHORT)) == served.before
