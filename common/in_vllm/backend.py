@@ -220,7 +220,7 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
             with watch:
                 finalize_layerwise_reload(model, self.model_config)
             self.fixes.after_load(loaded)
-            if missing := sorted(self.fixes.loadable - loaded):
+            if missing := self.fixes.missing(loaded):
                 raise RuntimeError(f"no value arrived for {len(missing)} param(s), e.g. "
                                    f"{missing[0]!r}")
             if recorder is not None:

@@ -16,6 +16,14 @@ class ReloadFixes:
         self.loadable = _loadable(model)
         self.moe_layers = _moe_layers(model)
         self.tied = _tied_layers(model)
+        # every name of every param: a module registered twice (vLLM 0.26's CUDA fused MoE
+        # as `experts` and `experts.routed_experts`) loads under one of its names
+        self._param_of = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+
+    def missing(self, loaded: set[str]) -> list[str]:
+        """The loadable params no name of which was `loaded`."""
+        filled = {self._param_of[n] for n in loaded if n in self._param_of}
+        return sorted(n for n in self.loadable if self._param_of[n] not in filled)
 
     def after_load(self, loaded: set[str]) -> None:
         """For this refit's loads only: redo the CPU fused-MoE prepack the reload skips (it

@@ -50,23 +50,28 @@ def _needs_cuda_vllm() -> None:
         pytest.skip(why)
 
 
-def checkpoint_name(arch: str, tie: bool) -> str:
-    return f"{arch}{'_tied' if tie else ''}"
-
-
 def checkpoint(arch: str, tie: bool, path: Path) -> Path:
-    """The starting checkpoint: carried in REFIT_GPU_CHECKPOINTS/<name> (made on a machine
-    with transformers by `python -m tests.gpu_vllm.checkpoints DIR`), else made here."""
-    import os
+    """The starting checkpoint (random values set by name, as the CPU tests' trainers): a
+    DeepSeek-V3 with DeepSeek's own MLA head sizes, the ones FlashAttention's MLA prefill takes
+    (the CPU tests' smaller heads have no CUDA prefill backend)."""
+    from transformers import AutoModelForCausalLM
 
-    carried = os.environ.get("REFIT_GPU_CHECKPOINTS")
-    name = checkpoint_name(arch, tie)
-    if carried and (Path(carried) / name).is_dir():
-        return Path(carried) / name
-    from tests.dtensor.shard import Case
-    from tests.dtensor_vllm.harness import initial_checkpoint
+    from tests.dtensor.models import make_config, random_value
+    from tests.dtensor_vllm.harness import write_engine_checkpoint
 
-    return Path(initial_checkpoint(Case(arch, tie=tie), path / name))
+    config = make_config(arch, tie)
+    if arch == "deepseek_v3":
+        fields = {k: v for k, v in config.to_dict().items() if k != "qk_head_dim"}
+        config = type(config)(**{**fields, "qk_nope_head_dim": 128, "v_head_dim": 128})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if "rotary" not in name:
+                t.copy_(random_value(name, tuple(t.shape), 0))
+    out = path / f"{arch}{'_tied' if tie else ''}"
+    write_engine_checkpoint(model, out)
+    return out
 
 
 def _with_weights(start: Path, state: dict[str, torch.Tensor], path: Path) -> str:
