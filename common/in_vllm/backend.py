@@ -220,9 +220,8 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
             with watch:
                 finalize_layerwise_reload(model, self.model_config)
             self.fixes.after_load(loaded)
-            if missing := self.fixes.missing(loaded):
-                raise RuntimeError(f"no value arrived for {len(missing)} param(s), e.g. "
-                                   f"{missing[0]!r}")
+            if why := self.fixes.describe_missing(loaded):
+                raise RuntimeError(why)
             if recorder is not None:
                 self._learn(recorder, kept)
             digest = None  # to every rank in the status record

@@ -19,11 +19,22 @@ class ReloadFixes:
         # every name of every param: a module registered twice (vLLM 0.26's CUDA fused MoE
         # as `experts` and `experts.routed_experts`) loads under one of its names
         self._param_of = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+        self._model = model
 
     def missing(self, loaded: set[str]) -> list[str]:
-        """The loadable params no name of which was `loaded`."""
-        filled = {self._param_of[n] for n in loaded if n in self._param_of}
+        """The loadable params no name of which was `loaded` (a name a loader reports may
+        also reach its param through a module attribute that is not a registration)."""
+        filled = {self._param_of.get(n) or _attribute_id(self._model, n) for n in loaded}
         return sorted(n for n in self.loadable if self._param_of[n] not in filled)
+
+    def describe_missing(self, loaded: set[str]) -> str | None:
+        """Why the check fails, naming a missing param and what was loaded beside it."""
+        if not (missing := self.missing(loaded)):
+            return None
+        layer = missing[0].rsplit(".", 2)[0]
+        near = sorted(n for n in loaded if n.startswith(layer))[:4]
+        return (f"no value arrived for {len(missing)} param(s), e.g. {missing[0]!r} (loaded "
+                f"under {layer!r}: {near})")
 
     def after_load(self, loaded: set[str]) -> None:
         """For this refit's loads only: redo the CPU fused-MoE prepack the reload skips (it
@@ -37,6 +48,13 @@ class ReloadFixes:
         for layer, aliases in self.tied:
             if aliases & loaded:
                 layer.quant_method.process_weights_after_loading(layer)
+
+
+def _attribute_id(model: torch.nn.Module, name: str) -> int | None:
+    obj: object = model
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+    return id(obj) if isinstance(obj, torch.Tensor) else None
 
 
 def _loadable(model: torch.nn.Module) -> set[str]:
