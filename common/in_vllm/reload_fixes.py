@@ -51,10 +51,22 @@ class ReloadFixes:
 
 
 def _attribute_id(model: torch.nn.Module, name: str) -> int | None:
+    """The param a reported name reaches: an attribute path, or the one param of that leaf
+    name in a direct child of the named layer (vLLM 0.26's CUDA fused MoE reports
+    `experts.w13_weight` for `experts.routed_experts.w13_weight`)."""
     obj: object = model
     for part in name.split("."):
         obj = getattr(obj, part, None)
-    return id(obj) if isinstance(obj, torch.Tensor) else None
+    if isinstance(obj, torch.Tensor):
+        return id(obj)
+    prefix, _, leaf = name.rpartition(".")
+    try:
+        layer = model.get_submodule(prefix)
+    except AttributeError:
+        return None
+    found = [p for n, p in layer.named_parameters() if n.count(".") == 1 and
+             n.endswith("." + leaf)]
+    return id(found[0]) if len(found) == 1 else None
 
 
 def _loadable(model: torch.nn.Module) -> set[str]:
