@@ -144,7 +144,7 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
     def trainer_send_weights(*args: object, **kwargs: object) -> None:
         """vLLM's trainer-side send (abstract in vLLM 0.26): refit's trainers send with
         `common.broadcast.RefitSender` instead."""
-        raise NotImplementedError("refit's trainers send with common.broadcast.RefitSender")
+        raise RuntimeError("refit's trainers send with common.broadcast.RefitSender")
 
     def _check_plan(self, plan: RefitPlan) -> str | None:
         """Why this engine cannot take `plan` (every problem, naming the tensors); None if it
