@@ -148,9 +148,10 @@ class RefitReceiver(Endpoint):
 
         def derive(index: int, whole: torch.Tensor) -> torch.Tensor | None:
             route = routes.get(index)
-            if route is None or route.gather is None:
-                return None if route is None else whole
-            return route.gather.take(self.plan.buckets[index], whole)
+            if route is None:  # this set reads nothing of the bucket
+                return None
+            return whole if route.gather is None else route.gather.take(
+                self.plan.buckets[index], whole)
 
         return derive
 
