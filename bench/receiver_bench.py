@@ -140,8 +140,8 @@ def bench_scatter(tensors: int, tensor_bytes: int, bucket_bytes: int, runs: int)
     total = tensors * tensor_bytes
     src = torch.ones(total, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    scatter_s = _cuda_time(scatter, runs)
-    copy_s = _cuda_time(lambda: dst.copy_(src), runs)
+    scatter_s = cuda_time(scatter, runs)
+    copy_s = cuda_time(lambda: dst.copy_(src), runs)
     for (buf, _), lo in zip(buckets, range(0, tensors, per_bucket), strict=True):  # bit for bit
         got = torch.cat(params[lo:lo + per_bucket])
         assert torch.equal(got, buf), "the scatter did not copy every byte"
@@ -151,7 +151,7 @@ def bench_scatter(tensors: int, tensor_bytes: int, bucket_bytes: int, runs: int)
             "scatter_over_one_copy": copy_s / scatter_s, "device": torch.cuda.get_device_name()}
 
 
-def _cuda_time(fn, runs: int) -> float:
+def cuda_time(fn, runs: int) -> float:
     fn()  # compile, capture, fault in
     torch.cuda.synchronize()
     times = []

@@ -113,6 +113,8 @@ def exchange_status(group: Transport, stats: RefitStats, error: BaseException | 
              "post_s": stats.post_s, "buckets_loaded": stats.buckets_loaded,
              "wire_bytes": stats.wire_bytes, "need_set": stats.need_set,
              "delta_frames": stats.delta_frames}
+    if stats.stage_s:  # host staging only
+        times["stage_s"] = stats.stage_s
     if stats.loaded_hash and error is None:  # a failed refit's record keeps room for its error
         times["loaded_hash"] = stats.loaded_hash
     group.refits += 1

@@ -270,7 +270,7 @@ class RefitReceiver(Endpoint):
         stats.buckets_loaded += 1  # also when it fails: it may have loaded a part
         error = None
         try:
-            payload = self._on_apply_device(payload)
+            payload = self._on_apply_device(payload, stats)
             if route.gather is None:
                 on_bucket(self._unpack(bucket, payload))
             elif on_compact is None:
@@ -320,15 +320,18 @@ class RefitReceiver(Endpoint):
             return unpack(target, self.plan.specs[bucket.start:bucket.stop], bucket.offsets)
         return self.layouts[bucket.index].unpack()
 
-    def _on_apply_device(self, payload: torch.Tensor) -> torch.Tensor:
-        """Host staging: the frame's bytes in one reused buffer on the apply device."""
+    def _on_apply_device(self, payload: torch.Tensor, stats: RefitStats) -> torch.Tensor:
+        """Host staging: the frame's bytes in one reused buffer on the apply device (a copy
+        from pageable host memory: it returns once the bytes left the host buffer)."""
         if self.apply_device is None or payload.device == self.apply_device:
             return payload
+        t0 = time.perf_counter()
         if self._staged is None or self._staged.numel() < payload.numel():
             self._staged = torch.empty(payload.numel(), dtype=torch.uint8,
                                        device=self.apply_device)
         staged = self._staged[: payload.numel()]
         staged.copy_(payload)
+        stats.stage_s += time.perf_counter() - t0
         return staged
 
     def verify_bytes(self, bucket: Bucket, header: Header, payload: torch.Tensor,

@@ -20,6 +20,7 @@ class RefitStats:
     wait_s: float = 0.0  # blocked on the refit group's collectives
     load_s: float = 0.0  # receiver callback (e.g. model.load_weights), post_s included
     post_s: float = 0.0  # receiver: what runs after the last bucket (post-load processing)
+    stage_s: float = 0.0  # receiver, host staging: frames copied onto the apply device (in load_s)
     buckets_loaded: int = 0  # buckets handed to the receiver callback
     checksum_s: float = 0.0  # receiver: checking the received bytes against the sender's
     delta_s: float = 0.0  # sender: delta-mode frames (pack + encode + send) and the shadows'
@@ -29,9 +30,9 @@ class RefitStats:
     need_set: int = -1  # receiver: its need-set in this refit (-1: whole buckets to everyone)
     loaded_hash: str = ""  # receiver: a hash of the model-format bytes it loaded, if it made one
     role: str = "sender"
-    # Each receiving rank's own timings ({"seconds", "wait_s", "load_s", "post_s", "wire_bytes",
-    # "need_set", "delta_frames"} and "loaded_hash" where it made one), from the status
-    # exchange at the end of a refit that landed.
+    # Each receiving rank's own timings ({"seconds", "wait_s", "load_s", "post_s",
+    # "wire_bytes", "need_set", "delta_frames"}; "stage_s", "loaded_hash" where it has them),
+    # from the status exchange at the end of a refit that landed.
     receivers: dict[int, dict[str, float | str]] = field(default_factory=dict)
 
     @property

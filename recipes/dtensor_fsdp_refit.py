@@ -125,7 +125,8 @@ def main() -> None:
             print(f"[recipe] {args.engine} engine {engine.name} up in "
                   f"{time.perf_counter() - t0:.1f}s; before training: {before}", flush=True)
             fleet = EngineFleet([engine])
-            join = fleet.join_async(host, port, num_trainers=world, timeout_s=120)
+            join = fleet.join_async(host, port, num_trainers=world, timeout_s=120,
+                                    transport_device="cpu")  # gloo: a CUDA engine stages
         size = [fleet.world_size(world) if fleet else None, port]  # rank 0's free port
         dist.broadcast_object_list(size, src=0)
         port = size[1]

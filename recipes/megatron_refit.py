@@ -207,7 +207,8 @@ def connect(fleet: EngineFleet | None, plan: RefitPlan) -> tuple[RefitGroup, Ref
     t0, joining, wire = time.perf_counter(), None, [None, None, None]
     if fleet is not None:
         port = free_port()
-        joining = fleet.join_async("127.0.0.1", port, trainers, timeout_s=timeout_s)
+        joining = fleet.join_async("127.0.0.1", port, trainers, timeout_s=timeout_s,
+                                   transport_device="cpu")  # gloo: a CUDA engine stages
         wire = [port, fleet.world_size(trainers), fleet.rank_names(trainers)]
     dist.broadcast_object_list(wire, src=0)
     group = RefitGroup(host="127.0.0.1", port=wire[0], rank=dist.get_rank(), world_size=wire[1],

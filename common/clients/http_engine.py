@@ -43,6 +43,7 @@ class HttpEngine(EngineClient):
                  alive: Callable[[], str | None] | None = None) -> None:
         super().__init__(name or url.rstrip("/"), timeout_s)
         self.url, self.alive = url.rstrip("/"), alive
+        self._version_routes: bool | None = None  # whether the server has /weight_info
 
     def _call(self, method: str, route: str, timeout_s: float | None = None,
               **kwargs: Any) -> requests.Response:
@@ -129,10 +130,26 @@ class HttpEngine(EngineClient):
         self._call("POST", "/finish_weight_update", json={"weight_version": version})
 
     def _get_version(self) -> str:
-        return str(self._json("GET", "/weight_info")["weight_version"])
+        if self._has_version_routes():
+            return str(self._json("GET", "/weight_info")["weight_version"])
+        version = self._state().version  # vLLM without weight versions: the engine's record
+        return "0" if version is None else str(version)
 
     def _set_version(self, version: str) -> None:
-        self._call("POST", "/update_weight_version", json={"new_version": version})
+        if self._has_version_routes():  # else the refit state's version is the engine's own
+            self._call("POST", "/update_weight_version", json={"new_version": version})
+
+    def _has_version_routes(self) -> bool:
+        """Whether this server's vLLM keeps a weight version (asked once: 404 says no)."""
+        if self._version_routes is None:
+            try:
+                self._call("GET", "/weight_info")
+                self._version_routes = True
+            except EngineError as e:
+                if "HTTP 404" not in str(e):
+                    raise
+                self._version_routes = False
+        return self._version_routes
 
     def _is_paused(self) -> bool:
         return bool(self._json("GET", "/is_paused")["is_paused"])

@@ -8,8 +8,8 @@ a DeepSeek-V3-style MLA model with the fp32 router bias, a Qwen3 with tied embed
 (the learning refit, vLLM's CUDA loaders), v2 (the learned map, whole frames or compact ones),
 v3 (a delta), v4 fails mid-refit (a tensor drifts from the plan after buckets were applied:
 every worker rolls back, the engine serves v3 again, unchanged), v5 (a delta on v3). After v5
-greedy tokens and logprobs equal a fresh CUDA engine started on v5's weights, and the test
-prints which path each worker took and why.
+greedy tokens and logprobs equal a fresh CUDA engine started on v5's weights, and so does every
+param, bit for bit; the test prints which path each worker took and why.
 """
 
 from __future__ import annotations
@@ -30,24 +30,6 @@ from tests.dtensor_vllm.helpers import DriftAt, greedy, perturb
 pytestmark = [pytest.mark.gpu_vllm, pytest.mark.slow]
 ARCHS = {"qwen3": ("qwen3", False), "qwen3_moe": ("qwen3_moe", False),
          "deepseek_v3": ("deepseek_v3", False), "tied": ("qwen3", True)}
-
-
-def _cuda_vllm() -> str | None:
-    """Why no CUDA vLLM engine can run here, or None."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    try:
-        import vllm  # noqa: F401
-        from vllm.platforms import current_platform
-    except ImportError as e:
-        return f"vLLM is not importable: {e}"
-    return None if current_platform.is_cuda() else "vLLM is not a CUDA build"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _needs_cuda_vllm() -> None:
-    if why := _cuda_vllm():
-        pytest.skip(why)
 
 
 def checkpoint(arch: str, tie: bool, path: Path) -> Path:
@@ -94,6 +76,18 @@ def _paths(engine: LocalEngine) -> list[dict]:
     return [{k: r[k] for k in keys if k in r} for r in engine.apply_reports()]
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same_params(name: str, got: dict, want: dict) -> None:
+    """Every CUDA param (after vLLM's processing) equals a fresh engine's, bit for bit."""
+    assert sorted(got) == sorted(want), f"{name}: param names differ from a fresh engine's"
+    differ = [n for n in want if not torch.equal(_bytes(got[n]), _bytes(want[n]))]
+    assert not differ, f"{name}: {len(differ)} of {len(want)} params differ, e.g. {differ[:3]}"
+    print(f"[gpu] {name}: {len(want)} params equal a fresh engine's bit for bit")
+
+
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_cuda_engine_refits_learns_rolls_back_and_equals_a_fresh_engine(name, tmp_path):
     from safetensors.torch import load_file
@@ -106,7 +100,7 @@ def test_cuda_engine_refits_learns_rolls_back_and_equals_a_fresh_engine(name, tm
         versions[v] = dict(versions[v - 1 if v != 5 else 3])
         perturb(versions[v], v)
     with _engine(_with_weights(start, versions[5], tmp_path / "v5")) as fresh:
-        want = greedy(fresh)
+        want, want_params = greedy(fresh), fresh.read()
     with _engine(str(start), hash_loaded=True) as engine:
         trainer = join_one_trainer([engine], dict(state), timeout_s=120, delta=True,
                                    undo_bytes=1 << 30, checksum=True,
@@ -129,5 +123,6 @@ def test_cuda_engine_refits_learns_rolls_back_and_equals_a_fresh_engine(name, tm
             stats = trainer.refit(5)
             print(f"[gpu] {name} v5: {stats.summary()}\n  {json.dumps(_paths(engine))}")
             assert greedy(engine) == want, f"{name}: v5 differs from a fresh CUDA engine"
+            _same_params(name, engine.read(), want_params)
         finally:
             trainer.group.destroy()

@@ -66,13 +66,16 @@ def _dying_refit(sender: RefitSender, state: dict, version: int, point: str) -> 
 
 
 def trainer_cycle(rank: int, world: int, port: int, url: str, states: list, undo: bool,
-                  landed: list[int], die: tuple[int, str] | None, out: str) -> None:
+                  landed: list[int], die: tuple[int, str] | None, out: str,
+                  transport_device: str | None = None) -> None:
     """Join the engine at `url`, write what it adopted to `out`, refit every version of
     `landed` (writing the greedy outputs after the last), then refit `die` = (version, point)
-    and die in it. A mixed engine's refusals of `resume` / `generate` are recorded first."""
+    and die in it. A mixed engine's refusals of `resume` / `generate` are recorded first.
+    `transport_device` "cpu": a CUDA server's workers receive over gloo (host staging)."""
     engine = HttpEngine(url, timeout_s=TIMEOUT_S)
     fleet = EngineFleet([engine])
-    joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=TIMEOUT_S)
+    joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=TIMEOUT_S,
+                               transport_device=transport_device)
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
                        num_trainers=1, timeout_s=TIMEOUT_S, device="cpu",
                        rank_names=fleet.rank_names(1))

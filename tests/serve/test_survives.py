@@ -60,6 +60,7 @@ class Served:
     server: VllmServer
     tp: int
     before: list  # greedy outputs of the fresh server (starting weights), as `pairs`
+    transport_device: str | None = None  # "cpu": a CUDA server's workers stage on the host
 
 
 @pytest.fixture(scope="module", params=[2, 1], ids=["tp2", "tp1"])
@@ -83,7 +84,8 @@ def _cycle(served: Served, states: list, tmp_path, undo: bool, landed: list[int]
     fleet = EngineFleet([served.server.client()])
     out = tmp_path / f"cycle-{uuid.uuid4().hex[:8]}.json"
     result = run_ranks(trainer_cycle, 1, served.server.url, states, undo, landed, die,
-                       str(out), timeout=TIMEOUT_S * 4, allow_dead=die is not None,
+                       str(out), served.transport_device, timeout=TIMEOUT_S * 4,
+                       allow_dead=die is not None,
                        group_world=fleet.world_size(1))[0]
     expected = ("dead", -signal.SIGKILL) if die is not None else "ok"
     assert result == expected or result[0] == expected, result

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On the GPU machine, after the CUDA vLLM chunks were carried (../shared/tools/cuda_vllm/prepare.sh):
+# unpacks them (and megatron-core, when .whl/mcore holds its wheel), then runs
+#   scripts/gpu_vllm.sh tests   the `-m gpu_vllm` tests: the engine tests beside the serve + recipe ones
+#   scripts/gpu_vllm.sh bench   bench/cuda_engine_bench.py alone (its figures want the machine to itself)
+# Logs and results go to $OUT (default: gpu_out/).
+set -uo pipefail
+out=${OUT:-gpu_out}; mkdir -p "$out"
+bash .whl/site.sh
+for w in .whl/mcore/*.whl; do [ -e "$w" ] && python3 -m zipfile -e "$w" /tmp/site/; done
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=4
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/device.txt"
+run() { python3 -m pytest -q -s -p no:cacheprovider -m gpu_vllm "$@"; }
+case "${1:-tests}" in
+  tests)
+    run tests/gpu_vllm/test_cuda_engine.py > "$out/gpu_engine.log" 2>&1 & engine=$!
+    run tests/gpu_vllm/test_cuda_serve.py tests/gpu_vllm/test_cuda_recipes.py > "$out/gpu_serve.log" 2>&1
+    serve=$?; wait $engine; engine=$?
+    tail -3 "$out/gpu_engine.log" "$out/gpu_serve.log"
+    exit $(( serve || engine ));;
+  bench)
+    python3 bench/cuda_engine_bench.py --out "$out/cuda_engine_h200.json" > "$out/bench.log" 2>&1
+    rc=$?; tail -4 "$out/bench.log"; exit $rc;;
+esac
