@@ -84,16 +84,12 @@ MEMORY_GB = {"h100": 80, "h200": 141}  # the same datasheets
 
 
 def assumed_at_scale() -> dict[str, Figure]:
-    """What no run here measured: multi-node NCCL, a CUDA vLLM apply, the pause, fp8."""
+    """What no run here measured: multi-node NCCL, fp8."""
     return {f.name: f for f in (
         assumed("ib_efficiency", (0.9, 0.8, 0.6), "of NIC line rate",
                 "NCCL over NDR InfiniBand; no multi-node run here"),
         assumed("collective_latency_s", (10e-6, 30e-6, 100e-6), "s per collective",
                 "NCCL launch + ring latency per frame"),
-        assumed("apply_over_scatter", (1.0, 2.0, 5.0), "x the scatter kernel",
-                "a CUDA vLLM engine's apply (copies + its weight post-processing) never ran "
-                "here; best = the measured scatter kernel alone"),
-        assumed("pause_s", (0.005, 0.05, 0.3), "s", "vLLM pause + resume around a refit"),
         assumed("quantize_over_copy", (1.0, 1.5, 3.0), "x one copy",
                 "bf16 -> fp8 block quantization on the sender (not implemented here)"),
         assumed("device_rate_h100", (0.70, 0.70, 0.70), "x the H200's rate",

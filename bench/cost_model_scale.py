@@ -111,8 +111,26 @@ def figures() -> dict[str, Figure]:
         measured("need_overhead", "shard_cpu_quick",
                  same(shard["tp2_received_fraction"] / shard["tp2_floor_fraction"]),
                  "x the floor", "need-set bytes over what a worker's map reads"),
+        *cuda_engine_figures(),
     )}
     return out | assumed_at_scale()
+
+
+def cuda_engine_figures() -> tuple[Figure, Figure]:
+    """A CUDA vLLM engine's apply (learned map) and pause, measured on one H200."""
+    ce = load("cuda_engine_h200")
+    scatter_Bps = load("receiver_scatter_h200")["scatter"]["scatter_tbps"] * 1e12
+    over = {n: scatter_Bps * statistics.median(ce[n]["direct_s"]) / ce[n]["bytes"]
+            for n in ("dense", "moe")}
+    pause = max(max(ce[n]["pause_resume_s"].values()) for n in ("dense", "moe"))
+    return (measured("apply_over_scatter", "cuda_engine_h200",
+                     (over["dense"], over["moe"], over["moe"]), "x the scatter kernel",
+                     "a CUDA vLLM engine's learned-map apply (copies, vLLM's layer and post-load "
+                     "processing), vLLM 0.26: best the Qwen3-8B-shaped layers, expected and "
+                     "worst the 20,000-tensor MoE"),
+            measured("pause_s", "cuda_engine_h200", (pause, pause, 0.3), "s",
+                     "an idle CUDA engine's pause + resume (keep and abort, the slower); "
+                     "worst 0.3 s assumed: a pause that waits for an engine step in flight"))
 
 
 def wire_fraction(density: float) -> float:

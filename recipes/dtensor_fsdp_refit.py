@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -130,9 +131,10 @@ def main() -> None:
         size = [fleet.world_size(world) if fleet else None, port]  # rank 0's free port
         dist.broadcast_object_list(size, src=0)
         port = size[1]
+        mesh = init_device_mesh("cpu", (world,))  # gloo on the host, GPUs or not
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         source = DTensorWeightSource(model, DtypePolicy(torch.bfloat16))
         plan = RefitPlan.build(source.plan_specs(), RefitConfig.from_env(bucket_bytes=4 << 20))
         group = RefitGroup(host=host, port=port, rank=rank, world_size=size[0],

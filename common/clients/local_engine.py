@@ -33,7 +33,14 @@ START_METHODS = ("forkserver", "spawn")
 # Variables of the training launcher that must not reach vLLM (it would join the wrong group).
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                   "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "GROUP_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID")
+                  "GROUP_WORLD_SIZE", "ROLE_NAME")
+
+
+def is_launcher_var(name: str) -> bool:
+    """Whether torchrun set `name` for the trainer: an engine started from a trainer must not
+    see it (with TORCHELASTIC_USE_AGENT_STORE vLLM's own process group would wait for the
+    trainers' agent store as a client, forever)."""
+    return name in _LAUNCHER_VARS or name.startswith("TORCHELASTIC_")
 
 
 def by_name(dotted: str) -> Any:
@@ -133,7 +140,7 @@ class LocalEngine(HostedEngine):
         ctx = _process_context(config.start_method)
         self._conn, child = ctx.Pipe()
         self._lock = threading.Lock()
-        launcher = {k: os.environ.pop(k) for k in _LAUNCHER_VARS if k in os.environ}
+        launcher = {k: os.environ.pop(k) for k in list(os.environ) if is_launcher_var(k)}
         try:
             # Not daemonic: the engine may start vLLM's worker processes (TP > 1). The
             # finalizer stops it when this client is collected or the trainer exits, before

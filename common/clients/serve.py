@@ -23,7 +23,7 @@ from pathlib import Path
 import requests
 
 from common.clients.http_engine import HttpEngine
-from common.clients.local_engine import _LAUNCHER_VARS
+from common.clients.local_engine import is_launcher_var
 from common.engine_config import EXECUTOR, SERVE_GUARD, WORKER_EXTENSION, cpu_bind_mask, worker_env
 from common.errors import RefitError
 from common.wire.group import free_port
@@ -96,7 +96,7 @@ class ServeConfig:
     def env(self) -> dict[str, str]:
         """This process's environment without the training launcher's variables (vLLM would
         join the trainers' group), plus the RL routes, threads and this checkout's `common`."""
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+        env = {k: v for k, v in os.environ.items() if not is_launcher_var(k)}
         env.update(VLLM_SERVER_DEV_MODE="1", OMP_NUM_THREADS=str(self.threads),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
                                                             env.get("PYTHONPATH")])),
