@@ -34,6 +34,22 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "create_engine")
     except ValueError:  # already registered in this process
         pass
+    _route_logs()
+
+
+def _route_logs() -> None:
+    """refit's log lines (the `common` loggers: each refit's landing, rollbacks, the map's
+    choice) through vLLM's own handler, so they appear in the server's log as vLLM's do; a
+    process that configured `common`'s logging itself keeps its own."""
+    import logging
+
+    ours, vllms = logging.getLogger("common"), logging.getLogger("vllm")
+    if ours.handlers or not vllms.handlers:
+        return
+    for handler in vllms.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(vllms.level)
+    ours.propagate = False
 
 
 def create_engine(*args: object, **kwargs: object) -> object:

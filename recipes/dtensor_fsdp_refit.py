@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import tempfile
 import time
@@ -32,12 +31,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
 
-from common.broadcast import RefitSender  # noqa: E402
+import refit  # noqa: E402
 from common.clients.engine_client import PAUSE_MODES  # noqa: E402
-from common.clients.fleet import EngineFleet  # noqa: E402
 from common.config import RefitConfig  # noqa: E402
-from common.plan import RefitPlan  # noqa: E402
-from common.wire.group import RefitGroup, free_port  # noqa: E402
 from dtensor_refit import DTensorWeightSource, DtypePolicy  # noqa: E402
 from recipes.engines import KINDS, greedy, open_engine, replayed_batches  # noqa: E402
 
@@ -74,10 +70,9 @@ def random_batches(steps: int, vocab: int) -> list[list[list[int]]]:
     return torch.randint(0, vocab, (steps, 4 * dist.get_world_size(), 32), generator=g).tolist()
 
 
-def train_and_refit(args, model, source, sender, fleet: EngineFleet | None,
-                    batches: list) -> dict:
-    """Every rank: an AdamW step per batch, a refit after each (rank 0 drives the engine:
-    pause, refit, finish as version `step`, resume). Per step: every rank's loss and (rank 0)
+def train_and_refit(model, session: refit.RefitSession, batches: list) -> dict:
+    """Every rank: an AdamW step per batch, a refit after each (`session.refit`: rank 0
+    pauses the engine, commits version `step`, resumes it). Per step: every rank's loss and (rank 0)
     the engine's greedy tokens on the probe prompts."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     record = {"rank_losses": [], "greedy": []}
@@ -86,14 +81,12 @@ def train_and_refit(args, model, source, sender, fleet: EngineFleet | None,
         losses = [None] * dist.get_world_size()
         dist.all_gather_object(losses, loss)
         record["rank_losses"].append(losses)
-        if fleet is None:
-            sender.refit(source, version=step)
-            continue
         t0 = time.perf_counter()
-        stats = fleet.refit(lambda s=step: sender.refit(source, version=s), step, args.pause,
-                            group=sender.group)
+        stats = session.refit(step)
+        if session.fleet is None:
+            continue
         paused = time.perf_counter() - t0
-        engine = fleet.engines[0]
+        engine = session.fleet.engines[0]
         record["greedy"].append(greedy(engine, PROMPTS, PROBE_TOKENS)[0])
         print(f"[recipe] step {step} loss {loss:.3f} | {stats.summary()} | paused "
               f"{paused * 1e3:.0f} ms | v{engine.weight_version()} tokens "
@@ -116,8 +109,7 @@ def main() -> None:
     model = tiny_qwen3()  # fp32 master weights, the same on every rank (seeded)
     workdir = Path(tempfile.mkdtemp(prefix="refit_dtensor_recipe_"))
     with contextlib.ExitStack() as stack:
-        fleet = engine = join = None
-        host, port = os.environ["MASTER_ADDR"], free_port() if rank == 0 else None
+        engine = None
         if rank == 0:
             save_bf16(model.state_dict(), str(workdir / "v0"))
             t0 = time.perf_counter()
@@ -125,27 +117,20 @@ def main() -> None:
             before = greedy(engine, PROMPTS, PROBE_TOKENS)[0]
             print(f"[recipe] {args.engine} engine {engine.name} up in "
                   f"{time.perf_counter() - t0:.1f}s; before training: {before}", flush=True)
-            fleet = EngineFleet([engine])
-            join = fleet.join_async(host, port, num_trainers=world, timeout_s=120,
-                                    transport_device="cpu")  # gloo: a CUDA engine stages
-        size = [fleet.world_size(world) if fleet else None, port]  # rank 0's free port
-        dist.broadcast_object_list(size, src=0)
-        port = size[1]
         mesh = init_device_mesh("cpu", (world,))  # gloo on the host, GPUs or not
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         source = DTensorWeightSource(model, DtypePolicy(torch.bfloat16))
-        plan = RefitPlan.build(source.plan_specs(), RefitConfig.from_env(bucket_bytes=4 << 20))
-        group = RefitGroup(host=host, port=port, rank=rank, world_size=size[0],
-                           num_trainers=world, timeout_s=120, device="cpu")
-        sender = RefitSender.setup(group, plan)
-        if join is not None:
-            join.result(120)
-            print(f"[recipe] engine joined the refit group (world {size[0]})", flush=True)
+        session = stack.enter_context(refit.connect(
+            source, [engine] if engine else [], pause=args.pause,
+            config=RefitConfig.from_env(bucket_bytes=4 << 20)))
+        if engine is not None:
+            print(f"[recipe] engine joined the refit group (world "
+                  f"{session.group.world_size})", flush=True)
         batches = (replayed_batches(args.batches) if args.batches
                    else random_batches(args.steps, model.config.vocab_size))
-        record = train_and_refit(args, model, source, sender, fleet, batches)
+        record = train_and_refit(model, session, batches)
         steps = len(batches)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         if rank == 0:
@@ -161,7 +146,6 @@ def main() -> None:
                 Path(args.result).write_text(json.dumps(
                     {"tokens": got[0], "tokens_before": before, "fresh_tokens": ref[0],
                      "version": engine.weight_version(), "engine": args.engine, **record}))
-    group.destroy()
     dist.destroy_process_group()
 
 

@@ -34,12 +34,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
 
-from common.broadcast import RefitSender  # noqa: E402
+import refit  # noqa: E402
 from common.clients.engine_client import PAUSE_MODES, EngineClient  # noqa: E402
-from common.clients.fleet import EngineFleet  # noqa: E402
 from common.config import RefitConfig  # noqa: E402
 from common.plan import RefitPlan  # noqa: E402
-from common.wire.group import RefitGroup, free_port  # noqa: E402
 from recipes.engines import KINDS, greedy, open_engine, replayed_batches  # noqa: E402
 from recipes.mcore_configs import Layout, hf_config, setup_parallel  # noqa: E402
 from recipes.mcore_models import (  # noqa: E402
@@ -200,32 +198,10 @@ def build(layout: Layout):
     return model, opt, source, plan
 
 
-def connect(fleet: EngineFleet | None, plan: RefitPlan) -> tuple[RefitGroup, RefitSender]:
-    """Every rank: the refit group of the trainers and the engine's workers (rank 0 has the
-    engine join meanwhile, and shares the port, the world size and who holds which rank)."""
-    trainers, timeout_s = dist.get_world_size(), plan.config.timeout_s
-    t0, joining, wire = time.perf_counter(), None, [None, None, None]
-    if fleet is not None:
-        port = free_port()
-        joining = fleet.join_async("127.0.0.1", port, trainers, timeout_s=timeout_s,
-                                   transport_device="cpu")  # gloo: a CUDA engine stages
-        wire = [port, fleet.world_size(trainers), fleet.rank_names(trainers)]
-    dist.broadcast_object_list(wire, src=0)
-    group = RefitGroup(host="127.0.0.1", port=wire[0], rank=dist.get_rank(), world_size=wire[1],
-                       num_trainers=trainers, timeout_s=timeout_s, device="cpu",
-                       rank_names=wire[2])
-    sender = RefitSender.setup(group, plan)
-    if joining is not None:
-        joining.result(timeout_s)
-        log(f"refit group of {trainers} trainers + {wire[1] - trainers} engine worker(s) set "
-            f"up in {time.perf_counter() - t0:.2f}s; the engine vetted the plan")
-    return group, sender
-
-
-def train_and_refit(args, layout, model, opt, source, plan, sender, fleet, workdir) -> dict:
+def train_and_refit(args, layout, model, opt, source, plan, session, workdir) -> dict:
     """Every rank: a training step (on random tokens, or the `--batches` replayed), then a
-    refit (rank 0: through the fleet: pause, refit, finish as version `step`, resume), then
-    the step's checks on rank 0. Returns per step: the last rank's loss, every rank's loss
+    refit (`session.refit`: rank 0 pauses, commits version `step` and resumes), then the
+    step's checks on rank 0. Returns per step: the last rank's loss, every rank's loss
     (rank 0) the engine's greedy tokens and the frames that went as deltas (with
     REFIT_DELTA=1)."""
     trainers = dist.get_world_size()
@@ -237,11 +213,7 @@ def train_and_refit(args, layout, model, opt, source, plan, sender, fleet, workd
         loss = train_step(model, opt, step, batches=dp_share(replay[step - 1]) if replay else None)
         train_s = time.perf_counter() - t1
         t1 = time.perf_counter()
-        if fleet is not None:
-            stats = fleet.refit(lambda s=step: sender.refit(source, version=s), step, args.pause,
-                                group=sender.group)
-        else:
-            stats = sender.refit(source, version=step)
+        stats = session.refit(step)
         total = time.perf_counter() - t1
         every = [None] * trainers
         dist.all_gather_object(every, (stats, loss))
@@ -251,10 +223,10 @@ def train_and_refit(args, layout, model, opt, source, plan, sender, fleet, workd
         record["rank_losses"].append([x if x == x else None for _, x in every])
         full = gather_full(source, plan)  # the expected weights, by the plain route
         log(f"step {step}: train {train_s:.2f}s, loss {every[-1][1]:.4f}")
-        if fleet is not None:
+        if session.fleet is not None:
             log_refit(step, stats, total, every, sources)
             write_checkpoint(full, layout, str(workdir / f"v{step}"))
-            engine = fleet.engines[0]
+            engine = session.fleet.engines[0]
             record["greedy"].append(check_step(engine, str(workdir / f"v{step}"), step,
                                                layout.moe))
             log(f"  greedy: {record['greedy'][-1]}")
@@ -277,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     model, opt, source, plan = build(layout)
     workdir = Path(tempfile.mkdtemp(prefix="megatron_refit_")) if rank == 0 else None
     full = gather_full(source, plan)
-    result = engine = fleet = None
+    result = engine = None
     with contextlib.ExitStack() as stack:
         if rank == 0:
             write_checkpoint(full, layout, str(workdir / "v0"))
@@ -287,9 +259,12 @@ def main(argv: list[str] | None = None) -> dict | None:
             log(f"{args.engine} engine {engine.name} up in {time.perf_counter() - t1:.1f}s "
                 f"({engine.num_workers()} worker(s), weight version {engine.weight_version()}); "
                 f"greedy before training: {before}")
-            fleet = EngineFleet([engine])
-        group, sender = connect(fleet, plan)
-        record = train_and_refit(args, layout, model, opt, source, plan, sender, fleet, workdir)
+        t1 = time.perf_counter()
+        session = refit.connect(source, [engine] if engine else [], plan=plan, pause=args.pause,
+                                timeout_s=plan.config.timeout_s)
+        log(f"refit group of {trainers} trainers + {session.group.world_size - trainers} engine "
+            f"worker(s) set up in {time.perf_counter() - t1:.2f}s; the engine vetted the plan")
+        record = train_and_refit(args, layout, model, opt, source, plan, session, workdir)
         steps = len(record["losses"])
         tokens = [greedy(engine, PROMPTS, NEW_TOKENS)[0] if engine else None]
         dist.broadcast_object_list(tokens, src=0)
@@ -307,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 Path(args.result).write_text(json.dumps(result))
     if rank == 0:
         shutil.rmtree(workdir, ignore_errors=True)
-    group.destroy()
+    session.close()
     dist.barrier()
     dist.destroy_process_group()
     return result

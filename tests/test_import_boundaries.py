@@ -3,8 +3,8 @@
 By AST, every import of every module (function-level ones included), per room of `common/`:
 the rooms form layers (`errors` < `kernels` < `wire` < the core < `in_vllm` | `clients` <
 `launch`): a room imports only rooms below it, `in_vllm` and `clients` never each other;
-nothing outside `in_vllm` imports vllm; nothing in `common/` or the DTensor path imports
-megatron. Hosts that run inside vLLM are launched by name (a string), which no import sees.
+nothing outside `in_vllm` imports vllm (`refit`, the public package, included); nothing in
+`common/` or the DTensor path imports megatron. Hosts that run inside vLLM are launched by name (a string), which no import sees.
 
 In fresh interpreters where the forbidden packages cannot be imported at all (a meta-path
 finder refuses them): every module outside `in_vllm` imports without vllm and megatron; the
@@ -80,7 +80,7 @@ def boundary_problems(files: dict[str, Path]) -> list[str]:
 
 
 def test_every_room_imports_only_the_rooms_below_it() -> None:
-    files = _modules("common", "dtensor_refit")
+    files = _modules("common", "dtensor_refit", "refit")
     rooms = {room_of(m) for m in files}
     assert rooms >= {*ROOMS, "core", "errors"}, rooms
     assert not boundary_problems(files), "\n".join(boundary_problems(files))
@@ -118,7 +118,7 @@ for module in {modules!r}:
                           text=True, timeout=300)
 
 
-@pytest.mark.parametrize("case", ["common", "dtensor", "mcore_tables"])
+@pytest.mark.parametrize("case", ["common", "dtensor", "mcore_tables", "refit"])
 def test_modules_import_without_the_packages_they_must_not_need(case: str) -> None:
     outside_vllm = sorted(m for m in _modules("common") if room_of(m) not in ("in_vllm",)
                           and room_of(m) != "launch")  # launch needs ray: imported below
@@ -128,6 +128,8 @@ def test_modules_import_without_the_packages_they_must_not_need(case: str) -> No
                     ("vllm", "megatron")),
         "mcore_tables": (["mcore_refit", "mcore_refit.arch", "mcore_refit.convert"],
                          ("vllm", "megatron", "transformer_engine")),
+        "refit": (["refit", "refit.session", "common.clients.http_engine"],
+                  ("vllm", "megatron", "ray")),  # `import refit` is the trainers' entry
     }[case]
     assert len(modules) >= 3
     done = _import_without(blocked, modules)

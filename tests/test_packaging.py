@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ROOMS = ["common", "common.wire", "common.kernels", "common.in_vllm", "common.clients",
+ROOMS = ["refit", "common", "common.wire", "common.kernels", "common.in_vllm", "common.clients",
          "common.launch"]
 # One module of each room that imports without vllm (the in_vllm room's need it: their files
 # are checked instead), and the plugin.
-MODULES = ["common.broadcast", "common.wire.group", "common.kernels.native",
+MODULES = ["refit.session", "common.broadcast", "common.wire.group", "common.kernels.native",
            "common.clients.http_engine", "common.launch.ray_cluster", "dtensor_refit",
            "mcore_refit", "refit_vllm_plugin"]
 
@@ -30,6 +30,8 @@ for name in sys.argv[3].split(","):
 from common.kernels import native
 assert Path(native._SOURCE_FILE).is_file(), native._SOURCE_FILE
 assert (target / "common" / "in_vllm" / "backend.py").is_file()
+import refit
+assert refit.connect.__module__ == "refit.session" and refit.RefitConfig.__name__ == "RefitConfig"
 (plugin,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins")
              if e.name == "refit"]
 assert plugin.value == "refit_vllm_plugin:register", plugin

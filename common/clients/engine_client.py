@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -93,7 +94,7 @@ class EngineClient(ABC):
         self._refit: tuple[int, Future, float] | None = None  # version, call, timeout
         self._join_timeout_s = 300.0
         self._workers: int | None = None
-        self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"engine {name}")
+        self._closed = False
 
     # --- transport, one per host -----------------------------------------------------------
     @abstractmethod
@@ -138,7 +139,8 @@ class EngineClient(ABC):
                               f"v{self.version}); a refit must land first")
 
     def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        """No more background calls; one still outstanding ends by its own timeout."""
+        self._closed = True
 
     # --- the refit protocol ----------------------------------------------------------------
     def _do(self, what: str, fn: Callable[[], T]) -> T:
@@ -294,7 +296,23 @@ class EngineClient(ABC):
         self.version, self.failed = version, None
 
     def _submit(self, what: str, fn: Callable[[], None]) -> Future:
-        return self._threads.submit(self._do, what, fn)
+        """`fn` on a daemon thread of its own: a trainer that fails while a join or a refit is
+        outstanding exits at once (a pool's threads would hold the process until the call's
+        own timeout)."""
+        if self._closed:
+            raise EngineError(f"engine {self.name}: {what} refused: the client is closed")
+        future: Future = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(self._do(what, fn))
+            except BaseException as e:  # noqa: BLE001 - the caller's future raises it
+                future.set_exception(e)
+
+        threading.Thread(target=run, name=f"engine {self.name}: {what}", daemon=True).start()
+        return future
 
     def __enter__(self) -> EngineClient:
         return self

@@ -1,0 +1,110 @@
+"""A newcomer's path (`pytest -k newcomer`), against a real `vllm serve` server.
+
+The README's FSDP2 quick start, extracted from the Markdown (not copied) and run as written
+under torchrun (2 gloo ranks); after its last step the server's greedy tokens and logprobs
+equal a fresh server's started on the trained weights (which the test's own epilogue, appended
+to the block, writes). And what a newcomer gets wrong (`newcomer_faults.py`): only rank 0 calls
+`refit.connect`, an engine that is not there, a training loop that raises after a refit: each
+ends the job within seconds of `connect`'s 10 s timeout, saying why; the server keeps serving
+the last refit that landed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from common.clients.serve import VllmServer
+from common.wire.group import free_port
+from tests.recipe_runner import ROOT, run_recipe
+from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config
+from tests.serve.test_survives import pairs
+
+pytestmark = pytest.mark.slow
+FAULTS = Path(__file__).with_name("newcomer_faults.py")
+EPILOGUE = '''
+# -- the test's own epilogue: the trained weights as a checkpoint, for a fresh server --
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+if dist.get_rank() == 0:
+    trained = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    trained.load_state_dict(full)
+    trained.save_pretrained(sys.argv[3])
+    open(sys.argv[-1], "w").write('{"saved": true}')
+'''
+
+
+def readme_block(name: str) -> str:
+    """The code block the README marks `<!-- newcomer: NAME -->`."""
+    text = (ROOT / "README.md").read_text()
+    marker = f"<!-- newcomer: {name} -->\n```python\n"
+    start = text.index(marker) + len(marker)
+    return text[start:text.index("```\n", start)]
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints) -> Iterator[VllmServer]:
+    with VllmServer(serve_config(checkpoints.start, "newcomer")) as server:
+        yield server
+
+
+def test_newcomer_fsdp2_quick_start_runs_as_written(server, checkpoints, tmp_path) -> None:
+    block = readme_block("fsdp2")
+    refit_lines = [line for line in block.splitlines() if "refit" in line]
+    assert len(refit_lines) <= 10, refit_lines
+    script = tmp_path / "quickstart.py"
+    script.write_text(block + EPILOGUE)
+    trained = tmp_path / "trained"
+    run_recipe(str(script), server.url, str(checkpoints.start), str(trained),
+               result=tmp_path / "done.json", nproc=2, timeout_s=300)
+    client = server.client(timeout_s=TIMEOUT_S)
+    assert client.weight_version() == "2" and not client.is_paused()
+    got = pairs(client.generate(PROMPTS, SHORT))
+    with VllmServer(serve_config(trained, "newcomer-fresh")) as fresh:
+        want = pairs(fresh.client(timeout_s=TIMEOUT_S).generate(PROMPTS, SHORT))
+    assert got == want, "the quick start's server differs from a fresh one on its weights"
+    log = Path(server.config.log_path).read_text()  # the backend's own lines, in vLLM's log
+    assert "refit v1 landed in" in log and "refit v2 landed in" in log, log[-3000:]
+
+
+def _faults(mode: str, url: str, checkpoint: Path, version: int = 1) -> tuple[int, str, float]:
+    """newcomer_faults.py under torchrun: (exit code, output, seconds)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    t0 = time.monotonic()
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "2", str(FAULTS), mode, url, str(checkpoint), str(version)]
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("mode, says", [
+    ("wrong_rank", "training ranks [1] did not call refit.connect within 10s"),
+    ("dead_engine", "training rank 0 could not set up the engines"),
+])
+def test_newcomer_setup_mistakes_fail_fast_and_say_why(checkpoints, mode, says) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there (dead_engine)
+    rc, out, seconds = _faults(mode, url, checkpoints.start)
+    assert rc != 0 and says in out, out[-3000:]
+    assert seconds < 60, f"{mode}: the job took {seconds:.0f}s to end"
+    print(f"[newcomer] {mode}: ended in {seconds:.1f} s: {says}")
+
+
+def test_newcomer_trainer_that_raises_exits_and_leaves_the_server_serving(
+        server, checkpoints) -> None:
+    client = server.client(timeout_s=TIMEOUT_S)
+    version = int(client.weight_version()) + 1
+    rc, out, seconds = _faults("raise_mid_training", server.url, checkpoints.start, version)
+    assert rc != 0 and "the training step failed" in out, out[-3000:]
+    assert seconds < 60, f"the job took {seconds:.0f}s to end"
+    assert client.engine_state().phase == "complete" and not client.is_paused()
+    assert client.weight_version() == str(version)  # the refit before the failure landed
+    assert client.generate(PROMPTS, SHORT), "the server stopped serving"
+    print(f"[newcomer] raise mid-training: ended in {seconds:.1f} s, the server serves "
+          f"v{client.weight_version()}")
