@@ -29,13 +29,13 @@ from bench_report import DTYPE, build_report, emit, print_table  # beside this s
 from forward_source import ForwardingSource
 from model_shapes import MODELS, Shapes, qwen3_shapes, scaled
 
-from common.broadcast import RefitReceiver, RefitSender, RefitStats
-from common.bucket_check import BucketChecker
 from common.config import RefitConfig
-from common.endpoint import Endpoint
 from common.packing import BucketLayout, byte_view
 from common.plan import RefitPlan, TensorSpec, align_up
 from common.source import DictWeightSource, WeightSource
+from common.transfer.bucket_check import BucketChecker
+from common.transfer.endpoint import Endpoint
+from common.transfer.sender import RefitReceiver, RefitSender, RefitStats
 from common.wire.group import RefitGroup, free_port
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # recipes.*

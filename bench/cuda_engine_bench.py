@@ -74,7 +74,7 @@ def write_model(name: str, root: Path, quick: bool) -> Path:
 def _engines(path: Path, cuda: bool) -> list:
     """The learned-map engine and the load_weights one, started side by side."""
     from common.clients.local_engine import LocalEngine
-    from common.engine_config import EngineConfig
+    from common.engine.config import EngineConfig
     from recipes.engines import tiny_llm_kwargs
 
     kwargs = {**tiny_llm_kwargs(256), **({"gpu_memory_utilization": 0.3} if cuda else {})}

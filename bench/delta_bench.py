@@ -1,5 +1,5 @@
 """Delta codec benchmark: encode and rebuild of a model's bytes at a given density, against
-one copy of the same bytes (`common.delta`).
+one copy of the same bytes (`common.delta.codec`).
 
 The list is the broadcast benchmark's MoE one (20,000 bf16 tensors of 0.39 MB: 7.86 GB on the
 GPU; scaled down on CPU), cut into 256 MiB buckets like a refit; a fraction of its 2-byte words
@@ -49,7 +49,7 @@ from shard_bench import PROMPTS, engine  # beside this script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.delta import apply, encode  # noqa: E402
+from common.delta.codec import apply, encode  # noqa: E402
 
 TENSOR_BYTES, BUCKET_BYTES = 393_216, 256 << 20
 # The trained model: Qwen3's structure, small enough to train a step in about a second on one

@@ -64,10 +64,10 @@ import torch
 from broadcast_bench import DEFAULT_MODEL_SCALE, make_specs, run_ranks  # beside this script
 from model_shapes import MODELS, qwen3_shapes, scaled
 
-from common.broadcast import RefitReceiver, RefitSender, RefitStats
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitReceiver, RefitSender, RefitStats
 from common.wire.group import RefitGroup
 
 BUCKET_BYTES = 16 << 20  # 9 buckets of the scaled list: frames to pipeline

@@ -87,7 +87,7 @@ class FaultySource:
 
 
 def receiver_class():
-    from common.broadcast import RefitReceiver
+    from common.transfer.sender import RefitReceiver
 
     class FlippingReceiver(RefitReceiver):
         flip_bucket = -1
@@ -102,10 +102,10 @@ def receiver_class():
 
 def join(rank: int, port: int, timeout_s: float, delta: bool):
     """This rank's endpoint in a new refit group at `port`."""
-    from common.broadcast import RefitReceiver, RefitSender
     from common.config import RefitConfig
     from common.plan import RefitPlan
     from common.source import DictWeightSource
+    from common.transfer.sender import RefitReceiver, RefitSender
     from common.wire.group import RefitGroup
 
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=TRAINERS + RECEIVERS,

@@ -42,9 +42,9 @@ def timed(fn, reps: int = 5) -> float:
 
 
 def bench(moe: bool, group) -> dict:
-    from common.broadcast import RefitSender
     from common.config import RefitConfig
     from common.plan import RefitPlan
+    from common.transfer.sender import RefitSender
     from mcore_refit import DtypePolicy, MegatronWeightSource, converter_for
 
     model = build(moe)

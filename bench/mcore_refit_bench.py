@@ -30,9 +30,9 @@ import torch.distributed as dist
 from bench_report import emit
 from broadcast_bench import NO_MULTICAST, run_ranks, timed
 
-from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
 from common.plan import RefitPlan
+from common.transfer.sender import RefitReceiver, RefitSender
 from common.wire.group import RefitGroup, free_port
 
 GPU_VOCAB = 32768

@@ -74,7 +74,7 @@ def bench_model(name: str, root: Path, refits: int) -> dict:
     from safetensors.torch import load_file
 
     from common.clients.local_engine import LocalEngine
-    from common.engine_config import EngineConfig
+    from common.engine.config import EngineConfig
     from recipes.engines import LOCAL_LLM_KWARGS, join_one_trainer
 
     path = write_model(name, root)

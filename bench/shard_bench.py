@@ -44,9 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.model_shapes import PUBLISHED  # noqa: E402
 from common.config import RefitConfig  # noqa: E402
-from common.needs import ByteRanges, Needs  # noqa: E402
 from common.plan import RefitPlan, TensorSpec  # noqa: E402
-from common.shard_plan import ShardPlan  # noqa: E402
+from common.shard.needs import ByteRanges, Needs  # noqa: E402
+from common.shard.plan import ShardPlan  # noqa: E402
 
 QWEN3_8B_REDUCED = dict(hidden_size=1024, num_attention_heads=32, num_key_value_heads=8,
                         head_dim=32, intermediate_size=3072, num_hidden_layers=4,
@@ -68,7 +68,7 @@ def write_model(root: Path) -> Path:
 
 def engine(path: Path, tp: int):
     from common.clients.local_engine import LocalEngine
-    from common.engine_config import EngineConfig
+    from common.engine.config import EngineConfig
     from recipes.engines import LOCAL_LLM_KWARGS
 
     kwargs = {**LOCAL_LLM_KWARGS, "tensor_parallel_size": tp}
@@ -215,7 +215,7 @@ def bench_gpu(reps: int) -> dict:
     against its gather of every bucket into the two TP=2 need-sets' compact frames."""
     from bench.model_shapes import QWEN3_8B, qwen3_shapes
     from common.packing import BucketLayout
-    from common.shard_frames import CompactBuffers
+    from common.shard.frames import CompactBuffers
 
     dev = torch.device("cuda")
     shapes = qwen3_shapes(QWEN3_8B)

@@ -57,17 +57,17 @@ class RefitConfig:
     shard_to_shard: once an engine worker has learned its load map it reports the byte ranges
         it reads, and from the next refit on each bucket reaches it as a compact frame of
         those bytes alone, over a subgroup of the workers with equal needs
-        (`common.shard_plan`); off: every worker receives every byte.
+        (`common.shard.plan`); off: every worker receives every byte.
     delta: each trainer keeps the bytes it last sent (its shadow) and each engine worker the
         bytes it last loaded (its base); a refit then sends, per frame, only the 2-byte words
-        that changed (`common.delta`), or the whole frame where that is not smaller, and goes
+        that changed (`common.delta.codec`), or the whole frame where that is not smaller, and goes
         whole to a need-set whose members do not all hold the trainers' base
-        (`common.delta_frames`). Costs each trainer a copy of the frames it sources and each
+        (`common.delta.frames`). Costs each trainer a copy of the frames it sources and each
         worker a copy of what it receives.
     undo_bytes: each engine worker's undo log: before a refit overwrites its base it keeps
         what it replaces (a delta frame: the delta; a whole frame: the old bytes) up to this
         many bytes, so a refit that fails anywhere is rolled back and the engine keeps serving
-        the last complete version (`common.delta_store`); 0: no undo log (a failed refit
+        the last complete version (`common.delta.store`); 0: no undo log (a failed refit
         leaves the engine refusing to serve until a refit lands). Workers keep a base when
         `delta` or `undo_bytes` asks for one.
     shadow: where a trainer keeps its shadow: "device" (fastest) or "host" (pinned host memory,

@@ -15,10 +15,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitReceiver, RefitSender
 from common.wire.group import RefitGroup
 
 TRAINERS, STEPS, EXPERTS, LAYERS = 2, 3, 64, 8

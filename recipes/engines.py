@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from common.broadcast import RefitSender
 from common.clients.engine_client import EngineClient
 from common.clients.fleet import EngineFleet
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
 
 KINDS = ("serve", "local")
@@ -47,7 +47,7 @@ def open_engine(kind: str, checkpoint: str, log_dir: str | Path) -> Iterator[Eng
                 yield client
     elif kind == "local":
         from common.clients.local_engine import LocalEngine
-        from common.engine_config import EngineConfig
+        from common.engine.config import EngineConfig
 
         with LocalEngine(EngineConfig(model=checkpoint, llm_kwargs=LOCAL_LLM_KWARGS)) as client:
             yield client

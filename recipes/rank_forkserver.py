@@ -14,7 +14,7 @@ import os
 from multiprocessing import context, forkserver, popen_forkserver, reduction, spawn, util
 from typing import Any
 
-PRELOAD = ("torch", "torch.distributed", "common.broadcast", "common.receiver",
+PRELOAD = ("torch", "torch.distributed", "common.transfer.sender", "common.transfer.receiver",
            "common.wire.group")
 
 _SERVER = forkserver.ForkServer()

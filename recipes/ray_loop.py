@@ -27,7 +27,7 @@ from common.clients.engine_client import PAUSE_MODES, EngineError
 from common.clients.fleet import EngineFleet
 from common.clients.ray_engine import RayEngine
 from common.config import RefitConfig
-from common.engine_config import EngineConfig
+from common.engine.config import EngineConfig
 from common.launch.ray_cluster import (
     RayLayout,
     RayPlacement,

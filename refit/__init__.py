@@ -15,24 +15,29 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_WHERE = {  # public name -> the module that defines it
-    "connect": "refit.session", "RefitSession": "refit.session",
-    "RefitConfig": "common.config", "RefitConfigError": "common.config",
-    "EngineConfig": "common.engine_config",
-    "RefitError": "common.errors", "RefitCommError": "common.errors",
-    "PlanMismatchError": "common.errors", "TensorMismatchError": "common.errors",
-    "RefitAborted": "common.errors", "ConversionError": "common.errors",
-    "EngineError": "common.clients.engine_client", "RefitStats": "common.stats",
-    "DtypePolicy": "common.dtype_policy", "DictWeightSource": "common.source",
-    "WeightSource": "common.source",
-    "DTensorWeightSource": "dtensor_refit", "MegatronWeightSource": "mcore_refit",
-    "converter_for": "mcore_refit",
-    "EngineFleet": "common.clients.fleet", "HttpEngine": "common.clients.http_engine",
-    "LocalEngine": "common.clients.local_engine", "RayEngine": "common.clients.ray_engine",
-    "VllmServer": "common.clients.serve", "ServeConfig": "common.clients.serve",
-    "RefitSender": "common.broadcast", "RefitReceiver": "common.receiver",
-    "RefitPlan": "common.plan", "RefitGroup": "common.wire.group",
+_EXPORTS = {  # module -> the public names it defines
+    "refit.session": ("connect", "RefitSession"),
+    "common.config": ("RefitConfig", "RefitConfigError"),
+    "common.errors": ("RefitError", "RefitCommError", "PlanMismatchError",
+                      "TensorMismatchError", "RefitAborted", "ConversionError"),
+    "common.engine.config": ("EngineConfig",),
+    "common.stats": ("RefitStats",),
+    "common.dtype_policy": ("DtypePolicy",),
+    "common.source": ("DictWeightSource", "WeightSource"),
+    "common.plan": ("RefitPlan",),
+    "common.transfer.sender": ("RefitSender",),
+    "common.transfer.receiver": ("RefitReceiver",),
+    "common.wire.group": ("RefitGroup",),
+    "dtensor_refit": ("DTensorWeightSource",),
+    "mcore_refit": ("MegatronWeightSource", "converter_for"),
+    "common.clients.engine_client": ("EngineError",),
+    "common.clients.fleet": ("EngineFleet",),
+    "common.clients.http_engine": ("HttpEngine",),
+    "common.clients.local_engine": ("LocalEngine",),
+    "common.clients.ray_engine": ("RayEngine",),
+    "common.clients.serve": ("VllmServer", "ServeConfig"),
 }
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
 
 

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from common.broadcast import RefitSender
 from common.clients.engine_client import EngineClient, PauseMode
 from common.clients.fleet import EngineFleet
 from common.clients.http_engine import HttpEngine
@@ -34,6 +33,7 @@ from common.errors import RefitError
 from common.plan import RefitPlan
 from common.source import WeightSource
 from common.stats import RefitStats
+from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
 
 _CALLS = itertools.count()  # one key space per connect() of this process

@@ -49,3 +49,8 @@ def test_newcomer_connect_a_dead_engine_fails_every_rank() -> None:
         status, (kind, name, message, seconds) = out[rank]
         assert kind == "error" and "could not set up the engines" in message, out
         assert "http://127.0.0.1" in message and seconds < 15, out
+
+
+def test_newcomer_every_public_name_of_refit_resolves() -> None:
+    missing = [name for name in refit.__all__ if getattr(refit, name, None) is None]
+    assert not missing and "connect" in refit.__all__, missing

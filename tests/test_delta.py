@@ -1,4 +1,4 @@
-"""`common.delta`: lossless deltas rebuild every byte, go whole when not smaller, and refuse a
+"""`common.delta.codec`: lossless deltas rebuild every byte, go whole when not smaller, and refuse a
 delta that cannot apply before writing anything (CPU: the native loop and, "cpu-torch", the
 torch ops used where it is not built; CUDA where present)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.delta import PREAMBLE_BYTES, DeltaError, apply, delta_bytes, encode
+from common.delta.codec import PREAMBLE_BYTES, DeltaError, apply, delta_bytes, encode
 from common.kernels import native
 
 DEVICES = ["cpu", "cpu-torch"] + (["cuda"] if torch.cuda.is_available() else [])

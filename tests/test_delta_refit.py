@@ -15,10 +15,10 @@ from functools import partial
 import numpy as np
 import torch
 
-from common.broadcast import RefitReceiver, RefitSender
-from common.delta_frames import DELTA
+from common.delta.frames import DELTA
 from common.errors import RefitError
 from common.plan import RefitPlan
+from common.transfer.sender import RefitReceiver, RefitSender
 from common.wire.group import RefitGroup
 from recipes.rank_runner import run_ranks
 from tests.multiproc import expect_ok

@@ -1,4 +1,4 @@
-"""The engine's refit state (`common.engine_state`): how a failure is classified, what is
+"""The engine's refit state (`common.engine.state`): how a failure is classified, what is
 refused, how workers' states combine, when an engine resumes by itself. The states are what
 the `-k survives` tests read from real servers; here each rule on its own."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.engine_state import RefitState, engine_state, resumes_after
+from common.engine.state import RefitState, engine_state, resumes_after
 from common.errors import NOTHING_LOADED, ROLLED_BACK, RefitError
 
 HELD = RefitState(version=4)

@@ -11,7 +11,6 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
 from common.errors import (
     PlanMismatchError,
@@ -22,6 +21,7 @@ from common.errors import (
 )
 from common.plan import RefitPlan, TensorSpec
 from common.source import DictWeightSource
+from common.transfer.sender import RefitReceiver, RefitSender
 from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
 from tests.multiproc import expect_ok, outcome, receive_all

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.broadcast import RefitSender
 from common.config import RefitConfig
 from common.plan import RefitPlan
+from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
 from tests.multiproc import GatheringSource, expect_ok

@@ -17,10 +17,10 @@ import dataclasses
 
 import torch
 
-from common import delta
-from common.broadcast import RefitReceiver, RefitSender
+from common.delta import codec as delta
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitReceiver, RefitSender
 from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
 from tests.multiproc import expect_ok, outcome

@@ -14,7 +14,7 @@ import torch
 from common.clients import http_engine
 from common.clients.engine_client import EngineError
 from common.clients.http_engine import HttpEngine
-from common.delta_store import FrameStore
+from common.delta.store import FrameStore
 from common.in_vllm.loaded_hash import LoadedHashes
 from common.packing import byte_view
 from common.wire.group import free_port

@@ -11,11 +11,11 @@ import numpy as np
 import psutil
 import torch
 
-from common.broadcast import RefitReceiver, RefitSender
 from common.errors import RefitError
-from common.needs import ByteRanges, Needs
 from common.plan import RefitPlan
+from common.shard.needs import ByteRanges, Needs
 from common.source import DictWeightSource
+from common.transfer.sender import RefitReceiver, RefitSender
 from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
 from tests.multiproc import expect_ok, outcome

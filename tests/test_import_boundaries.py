@@ -1,10 +1,12 @@
 """The import rules the layout promises.
 
 By AST, every import of every module (function-level ones included), per room of `common/`:
-the rooms form layers (`errors` < `kernels` < `wire` < the core < `in_vllm` | `clients` <
-`launch`): a room imports only rooms below it, `in_vllm` and `clients` never each other;
-nothing outside `in_vllm` imports vllm (`refit`, the public package, included); nothing in
-`common/` or the DTensor path imports megatron. Hosts that run inside vLLM are launched by name (a string), which no import sees.
+the rooms form layers (`errors`, `engine` < `kernels` < `wire` < the core < `shard` < `delta`
+< `transfer` < `in_vllm` | `clients` < `launch`): a room imports only rooms below it,
+`in_vllm` and `clients` never each other; nothing outside `in_vllm` imports vllm (`refit`,
+the public package, included); nothing in `common/` or the DTensor path imports megatron.
+Hosts that run inside vLLM are launched by name (a string), which no import sees. The core
+keeps at most TOP_FILES_MAX files at the top of `common/`.
 
 In fresh interpreters where the forbidden packages cannot be imported at all (a meta-path
 finder refuses them): every module outside `in_vllm` imports without vllm and megatron; the
@@ -22,12 +24,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ROOMS = ("kernels", "wire", "in_vllm", "clients", "launch")
+ROOMS = ("kernels", "wire", "engine", "shard", "delta", "transfer", "in_vllm", "clients",
+         "launch")
+_BELOW_TRANSFER = {"kernels", "wire", "core", "shard", "delta", "transfer", "engine"}
 # room -> the rooms it may import (besides `errors`, the leaf every room may import)
-ALLOWED = {"errors": set(), "kernels": set(), "wire": {"kernels"},
-           "core": {"kernels", "wire"}, "in_vllm": {"kernels", "wire", "core"},
-           "clients": {"kernels", "wire", "core"},
-           "launch": {"kernels", "wire", "core", "clients"}}
+ALLOWED = {"errors": set(), "kernels": set(), "wire": {"kernels"}, "engine": set(),
+           "core": {"kernels", "wire"}, "shard": {"kernels", "wire", "core"},
+           "delta": {"kernels", "wire", "core", "shard"},
+           "transfer": {"kernels", "wire", "core", "shard", "delta"},
+           "in_vllm": _BELOW_TRANSFER, "clients": _BELOW_TRANSFER,
+           "launch": _BELOW_TRANSFER | {"clients"}}
+TOP_FILES_MAX = 12  # .py files at the top of common/ (the core); the rest live in rooms
 
 
 def module_name(path: Path) -> str:
@@ -84,6 +91,14 @@ def test_every_room_imports_only_the_rooms_below_it() -> None:
     rooms = {room_of(m) for m in files}
     assert rooms >= {*ROOMS, "core", "errors"}, rooms
     assert not boundary_problems(files), "\n".join(boundary_problems(files))
+
+
+def test_the_core_stays_small_and_every_file_lives_in_a_room() -> None:
+    top = sorted(p.name for p in (ROOT / "common").glob("*.py"))
+    assert len(top) <= TOP_FILES_MAX, top
+    rooms = sorted(p.name for p in (ROOT / "common").iterdir()
+                   if p.is_dir() and (p / "__init__.py").is_file())
+    assert set(rooms) == set(ROOMS), rooms
 
 
 @pytest.mark.parametrize("plant, room", [

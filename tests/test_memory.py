@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
 from common.plan import RefitPlan
+from common.transfer.sender import RefitReceiver, RefitSender
 from common.wire.group import RefitGroup
 from recipes.rank_runner import run_ranks
 from tests.multiproc import GatheringSource, expect_ok

@@ -23,10 +23,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
 from common.plan import RefitPlan, TensorSpec
 from common.source import WeightSource
+from common.transfer.sender import RefitReceiver, RefitSender
 from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
 from tests.multiproc import expect_ok, receive_all

@@ -1,4 +1,4 @@
-"""`common.needs`: what a worker needs of a bucket, merged, said compactly and located in the
+"""`common.shard.needs`: what a worker needs of a bucket, merged, said compactly and located in the
 compact payload; workers with equal needs share a need-set."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.needs import ByteRanges, Needs, need_sets
+from common.shard.needs import ByteRanges, Needs, need_sets
 
 ranges_lists = st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 300)), max_size=60)
 

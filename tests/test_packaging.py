@@ -14,7 +14,7 @@ ROOMS = ["refit", "common", "common.wire", "common.kernels", "common.in_vllm", "
          "common.launch"]
 # One module of each room that imports without vllm (the in_vllm room's need it: their files
 # are checked instead), and the plugin.
-MODULES = ["refit.session", "common.broadcast", "common.wire.group", "common.kernels.native",
+MODULES = ["refit.session", "common.transfer.sender", "common.wire.group", "common.kernels.native",
            "common.clients.http_engine", "common.launch.ray_cluster", "dtensor_refit",
            "mcore_refit", "refit_vllm_plugin"]
 

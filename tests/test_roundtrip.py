@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitReceiver, RefitSender
 from common.wire.bucket_header import HEADER_BYTES
 from common.wire.group import RefitGroup
 from recipes.rank_runner import run_ranks

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
 from common.errors import NeedsRefusedError
-from common.needs import ByteRanges, Needs
 from common.plan import RefitPlan
-from common.shard_frames import CompactBuffers
-from common.shard_plan import Gather
+from common.shard.frames import CompactBuffers
+from common.shard.needs import ByteRanges, Needs
+from common.shard.plan import Gather
 from common.source import DictWeightSource
+from common.transfer.sender import RefitReceiver, RefitSender
 from common.wire.group import RefitGroup
 from recipes.rank_runner import run_ranks
 from tests.multiproc import expect_ok

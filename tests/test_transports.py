@@ -18,10 +18,10 @@ import time
 import pytest
 import torch
 
-from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitReceiver, RefitSender
 from common.wire.group import RefitGroup
 from common.wire.shm_transport import ShmTransport
 from recipes.rank_runner import run_ranks

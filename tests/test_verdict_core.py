@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from common.broadcast import RefitReceiver, RefitSender
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitReceiver, RefitSender
 from recipes.rank_runner import run_ranks
 from tests.multiproc import expect_ok, outcome, receive_all
 from tests.test_transports import TRANSPORTS

@@ -20,7 +20,7 @@ refit the engine stays paused: `resume()` and `generate()` refuse and `finish()`
 naming the failed and the last complete version, until a refit lands; the version the engine
 reports stays the last complete one. A version not newer than the engine's is refused.
 
-The engine itself keeps that state (`common.engine_state`), so it holds after its trainer
+The engine itself keeps that state (`common.engine.state`), so it holds after its trainer
 died: its server refuses to serve and to resume mixed weights, and a client that joins later
 adopts the state (`join_async`): the version, a failure, a refit that landed unfinished.
 """
@@ -37,7 +37,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from common.engine_state import RefitState
+from common.engine.state import RefitState
 from common.errors import NOTHING_LOADED, ROLLED_BACK, RefitError
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class EngineClient(ABC):
         return self._do("reading whether it is paused", self._is_paused)
 
     def engine_state(self) -> RefitState:
-        """The engine's own refit state, read from its workers now (`common.engine_state`)."""
+        """The engine's own refit state, read from its workers now (`common.engine.state`)."""
         return self._do("reading its refit state", self._state)
 
     def pause(self, mode: PauseMode = "keep", clear_cache: bool = True) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import requests
 
 from common.clients.engine_client import Completion, EngineClient, EngineError, PauseMode
-from common.engine_state import RefitState, engine_state
+from common.engine.state import RefitState, engine_state
 
 _BODY_CHARS = 2000  # of an error response kept in the message: vLLM can send whole tracebacks
 _MARGIN_S = 30.0  # beyond a join's own timeout: the route answers after the group's rendezvous

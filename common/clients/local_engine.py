@@ -21,8 +21,8 @@ from abc import abstractmethod
 from typing import Any
 
 from common.clients.engine_client import Completion, EngineClient, EngineError, PauseMode
-from common.engine_config import EngineConfig
-from common.engine_state import RefitState
+from common.engine.config import EngineConfig
+from common.engine.state import RefitState
 
 HOST_SERVE = "common.in_vllm.llm_host:serve"  # the child's entry point, imported there only
 # What the forkserver imports once, so that each engine forked from it starts without paying

@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from common.clients.local_engine import HostedEngine, by_name
-from common.engine_config import EngineConfig
+from common.engine.config import EngineConfig
 
 LLM_HOST = "common.in_vllm.llm_host:LLMHost"
 ASYNC_LLM_HOST = "common.in_vllm.async_host:AsyncLLMHost"

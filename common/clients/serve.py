@@ -24,7 +24,7 @@ import requests
 
 from common.clients.http_engine import HttpEngine
 from common.clients.local_engine import is_launcher_var
-from common.engine_config import EXECUTOR, SERVE_GUARD, WORKER_EXTENSION, cpu_bind_mask, worker_env
+from common.engine.config import EXECUTOR, SERVE_GUARD, WORKER_EXTENSION, cpu_bind_mask, worker_env
 from common.errors import RefitError
 from common.wire.group import free_port
 
@@ -45,11 +45,11 @@ class ServeConfig:
     threads: OpenMP threads per worker. disable_cpu_amx: REFIT_DISABLE_CPU_AMX=1, which
         `refit_vllm_plugin` applies (VMs advertising AMX without enabling it die of SIGILL).
     apply, shard_to_shard, hash_loaded, base_place: the workers' refit settings, as
-        `EngineConfig`'s (`common.engine_config.worker_env`).
+        `EngineConfig`'s (`common.engine.config.worker_env`).
     resume_after_rollback: a failed refit that every worker rolled back resumes the server
         by itself (REFIT_ROLLBACK_RESUME); False: it stays paused for its trainer.
     The command adds refit's worker extension, its guard middleware and, at TP > 1, its
-    executor (`common.engine_config`): the server itself refuses mixed weights.
+    executor (`common.engine.config`): the server itself refuses mixed weights.
     """
 
     model: str

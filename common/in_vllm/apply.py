@@ -36,8 +36,8 @@ from common.in_vllm.compat import (
 )
 from common.in_vllm.load_map import BucketCopy, CopyRecorder, Dest, Fill, byte_runs, tiles_exactly
 from common.in_vllm.loaded_hash import LoadedHashes
-from common.needs import ByteRanges, Needs
 from common.plan import RefitPlan
+from common.shard.needs import ByteRanges, Needs
 
 log = logging.getLogger(__name__)
 COPY, PROCESS = "copy", "process"  # straight into the serving tensors / through processing
@@ -131,7 +131,7 @@ class DirectLoad:
         return live
 
     def needs(self, plan: RefitPlan) -> Needs:
-        """The bytes of each bucket this worker reads (`common.needs`): its runs' sources and
+        """The bytes of each bucket this worker reads (`common.shard.needs`): its runs' sources and
         the whole tensors its loaders take (`load_weights`)."""
         out = {}
         for index, runs in self.runs.items():

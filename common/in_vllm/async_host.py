@@ -13,8 +13,8 @@ import asyncio
 import uuid
 from typing import Any
 
-from common.engine_config import EngineConfig
-from common.engine_state import RefitState, engine_state, resumes_after
+from common.engine.config import EngineConfig
+from common.engine.state import RefitState, engine_state, resumes_after
 from common.in_vllm.llm_host import completion_dict, configure_process, refit_llm_args
 
 
@@ -51,7 +51,7 @@ class AsyncLLMHost:
         await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
 
     async def state(self) -> RefitState:
-        """The engine's refit state, from its workers (`common.engine_state`)."""
+        """The engine's refit state, from its workers (`common.engine.state`)."""
         return engine_state(await self.llm.collective_rpc("refit_state"))
 
     async def resume(self) -> None:

@@ -15,7 +15,7 @@ vLLM's own routes and methods:
   other rank) fails the refit on every rank, and the trainers read this worker's timings.
 - `finish_weight_update()`: checks that a refit landed since the start.
 
-Each call moves this worker's refit state (`common.engine_state.RefitState`: complete,
+Each call moves this worker's refit state (`common.engine.state.RefitState`: complete,
 refitting, landed, mixed, rolled back), which the engine's guard and joining trainers read
 (`common.in_vllm.worker_ext`).
 
@@ -41,9 +41,8 @@ from vllm.model_executor.model_loader.reload.layerwise import (
     initialize_layerwise_reload,
 )
 
-from common.broadcast import RefitReceiver
 from common.checkpoint import checkpoint_tensors, plan_problems
-from common.engine_state import RefitState
+from common.engine.state import RefitState
 from common.errors import ROLLED_BACK, NeedsRefusedError
 from common.in_vllm import loaded_hash, map_steps, undo
 from common.in_vllm.apply import DirectLoad
@@ -53,6 +52,7 @@ from common.in_vllm.map_steps import LoadMapSteps
 from common.in_vllm.reload_fixes import ReloadFixes
 from common.plan import RefitPlan
 from common.stats import RefitStats
+from common.transfer.sender import RefitReceiver
 from common.wire.group import RefitGroup
 
 log = logging.getLogger(__name__)
@@ -143,8 +143,8 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
     @staticmethod
     def trainer_send_weights(*args: object, **kwargs: object) -> None:
         """vLLM's trainer-side send (abstract in vLLM 0.26): refit's trainers send with
-        `common.broadcast.RefitSender` instead."""
-        raise RuntimeError("refit's trainers send with common.broadcast.RefitSender")
+        `common.transfer.sender.RefitSender` instead."""
+        raise RuntimeError("refit's trainers send with common.transfer.sender.RefitSender")
 
     def _check_plan(self, plan: RefitPlan) -> str | None:
         """Why this engine cannot take `plan` (every problem, naming the tensors); None if it

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from common.engine_config import EXECUTOR, EngineConfig, cpu_bind_mask, worker_env
-from common.engine_state import RefitState, engine_state, resumes_after
+from common.engine.config import EXECUTOR, EngineConfig, cpu_bind_mask, worker_env
+from common.engine.state import RefitState, engine_state, resumes_after
 from common.wire.addresses import bind_process_to
 
 _PAUSED = "engine is paused for a weight update: resume it before generating"
@@ -88,7 +88,7 @@ class LLMHost:
         self.paused = False
 
     def state(self) -> RefitState:
-        """The engine's refit state, from its workers (`common.engine_state`)."""
+        """The engine's refit state, from its workers (`common.engine.state`)."""
         return engine_state(self.llm.collective_rpc("refit_state"))
 
     def num_workers(self) -> int:

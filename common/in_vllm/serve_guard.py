@@ -23,7 +23,7 @@ import logging
 import time
 from typing import Any
 
-from common.engine_state import RefitState, engine_state, resumes_after
+from common.engine.state import RefitState, engine_state, resumes_after
 
 log = logging.getLogger(__name__)
 GENERATE_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",

@@ -8,7 +8,7 @@ import os
 import torch
 from vllm.distributed.parallel_state import get_world_group
 
-from common.delta_store import FrameStore
+from common.delta.store import FrameStore
 from common.errors import ROLLED_BACK, RefitError
 from common.in_vllm import loaded_hash
 

@@ -16,7 +16,7 @@ class RefitWorkerExtension:
     """Methods mixed into vLLM's worker (`self` is the worker)."""
 
     def refit_state(self) -> dict[str, Any]:
-        """This worker's refit state (`common.engine_state.RefitState` as a dict)."""
+        """This worker's refit state (`common.engine.state.RefitState` as a dict)."""
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is None or not hasattr(engine, "state"):
             raise RuntimeError(f"this worker runs no refit backend ({type(engine).__name__}): "

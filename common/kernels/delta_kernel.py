@@ -1,4 +1,4 @@
-"""CUDA kernels of `common.delta` (Triton): a reduce-then-scan encode and rebuild, each
+"""CUDA kernels of `common.delta.codec` (Triton): a reduce-then-scan encode and rebuild, each
 reading the payload's words once and with no host sync but the caller's one per payload.
 
 Encode (`encode`): pass 1 reads the new and base words once; each block of BLOCK words

@@ -101,7 +101,7 @@ void copy_bytes(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& 
       std::memcpy(reinterpret_cast<void*>(d[i]), reinterpret_cast<const void*>(s[i]), n[i]);
 }
 
-// The delta codec on the CPU (common/delta.py): 2-byte words of the new payload against its
+// The delta codec on the CPU (common/delta/codec.py): 2-byte words of the new payload against its
 // base. `delta_mask` writes the bitmask of the words that differ (bit j of byte k: word
 // 8k + j) and returns their count; `delta_gather` stores those words in order; `delta_count`
 // counts a bitmask's marks; `delta_scatter` writes the values back at the marked words.

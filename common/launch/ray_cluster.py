@@ -26,10 +26,10 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from common.broadcast import RefitSender
 from common.errors import RefitError
 from common.plan import RefitPlan
 from common.source import WeightSource
+from common.transfer.sender import RefitSender
 from common.wire.addresses import bind_process_to, tcp_store
 from common.wire.group import RefitGroup, free_port
 

@@ -4,10 +4,10 @@ It carries the bucket index, the weight version and the plan digest (so a desync
 is caught, never silently loaded), an OK / ABORT status with the sender's reason, so an abort
 reaches every rank inside the same collective that would have carried the bucket, and the
 payload's checksum where the sender computed one (`common.wire.checksum`). Frames of one bucket
-differ by receiver (`common.shard_plan`): the header says which need-set a frame is for, its
+differ by receiver (`common.shard.plan`): the header says which need-set a frame is for, its
 kind (the whole bucket, or compact: only the set's ranges) and its payload's size, which each
 receiver knows before it posts the frame (from the re-plan), and checks. A need-set in delta
-mode (`common.delta_frames`) sends frames whose size only the sender knows once it has
+mode (`common.delta.frames`) sends frames whose size only the sender knows once it has
 encoded them: each frame's header then goes as a fixed-size broadcast of its own, followed by
 the payload, whose receive each rank posts once the header has landed; a delta frame's header
 also carries the checksum of the bytes it rebuilds.
@@ -39,7 +39,7 @@ class Header:
     status: int = STATUS_OK
     message: str = ""
     need_set: int = -1  # -1: the whole group (no need-sets)
-    kind: int = 0  # `common.shard_plan.FULL` / `COMPACT`
+    kind: int = 0  # `common.shard.plan.FULL` / `COMPACT`
     payload_bytes: int = 0
     rebuilt_checksum: int = 0  # a delta frame: the checksum of the bytes it rebuilds
     checksummed: bool = False  # the sender stamps the checksum after packing (`stamp`)

@@ -121,9 +121,9 @@ def _yields_on_rank0(mine: dict, rank: int, trainers: int) -> dict | None:
 
 
 def refit_job(rank: int, world: int, ports: tuple[int, int], case: Case) -> dict | None:
-    from common.broadcast import RefitSender
     from common.config import RefitConfig
     from common.plan import RefitPlan
+    from common.transfer.sender import RefitSender
     from common.wire.group import RefitGroup
 
     trainers = case.trainers
@@ -157,8 +157,8 @@ def refit_job(rank: int, world: int, ports: tuple[int, int], case: Case) -> dict
 
 def receiver_side(rank: int, trainers: int, port: int, case: Case, config) -> dict:
     """The vLLM-side rank: vets the plan against the checkpoint, checks two refits exactly."""
-    from common.broadcast import RefitReceiver
     from common.plan import RefitPlan
+    from common.transfer.sender import RefitReceiver
     from common.wire.group import RefitGroup
     from dtensor_refit import compare_with_checkpoint
     from tests.multiproc import receive_all

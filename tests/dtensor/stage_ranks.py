@@ -64,8 +64,8 @@ def _own_gathers(source) -> int:
 def _train(rank: int, layout: Layout, ports: tuple[int, int], config) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from common.broadcast import RefitSender
     from common.plan import RefitPlan
+    from common.transfer.sender import RefitSender
     from common.wire.group import RefitGroup
     from dtensor_refit import DTensorWeightSource
 

@@ -25,9 +25,9 @@ LAYOUT = Layout("pp_hf", tie=True)  # the last stage keeps the tied embedding to
 
 def _trainer(rank: int, world: int, port: int, dist_port: int) -> list:
     """One stage rank: build its part, double every weight (a "step"), refit version 1."""
-    from common.broadcast import RefitSender
     from common.config import RefitConfig
     from common.plan import RefitPlan
+    from common.transfer.sender import RefitSender
     from common.wire.group import RefitGroup
     from dtensor_refit import DTensorWeightSource, DtypePolicy
 

@@ -66,9 +66,9 @@ def trainer_job(rank: int, world: int, port: int, case: Case, steps: list[int], 
     """One training rank; returns [(status, detail)] per refit (or the setup failure)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from common.broadcast import RefitSender
     from common.config import RefitConfig
     from common.plan import RefitPlan, TensorSpec
+    from common.transfer.sender import RefitSender
     from common.wire.group import RefitGroup
     from dtensor_refit import DTensorWeightSource, DtypePolicy
     from tests.dtensor.models import make_model

@@ -7,7 +7,7 @@ import time
 import torch
 
 from common.clients.local_engine import LocalEngine
-from common.engine_config import EngineConfig
+from common.engine.config import EngineConfig
 from common.source import DictWeightSource
 from recipes.engines import (  # noqa: F401 - the tests' trainer
     OneTrainer,

@@ -16,13 +16,13 @@ import multiprocessing as mp
 import pytest
 from safetensors.torch import load_file
 
-from common.broadcast import RefitSender
 from common.clients.engine_client import EngineError
 from common.clients.local_engine import LocalEngine
-from common.engine_config import EngineConfig
+from common.engine.config import EngineConfig
 from common.errors import RefitError
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
 from tests.dtensor.shard import Case
 from tests.dtensor_vllm.harness import initial_checkpoint

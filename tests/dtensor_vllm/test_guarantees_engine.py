@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from common.clients.engine_client import EngineError
 from common.clients.local_engine import LocalEngine
-from common.engine_config import EngineConfig
+from common.engine.config import EngineConfig
 from common.errors import NOTHING_LOADED, RefitAborted, RefitError
 from recipes.vllm_checks import compare_params, vllm_layout
 from tests.dtensor.shard import Case

@@ -17,10 +17,10 @@ import os
 import pytest
 import torch
 
-from common.broadcast import RefitSender
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
 from tests.dtensor.models import make_model
 from tests.dtensor_vllm.helpers import JOIN_TIMEOUT_S, LLM_KWARGS, start_engine

@@ -15,10 +15,10 @@ import os
 
 import pytest
 
-from common.broadcast import RefitSender
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
 from recipes.vllm_checks import compare_params, vllm_layout
 from tests.dtensor.shard import Case

@@ -63,7 +63,7 @@ def test_a_serving_engine_actor_keeps_a_request_in_flight_across_a_refit(ray_clu
     refit and resumed; its tokens carry version 0, then 1. Then one cut short by a refit in
     mode abort is continued by the recipes' driver: versions 1, then 2, all its tokens."""
     from common.clients.ray_engine import RayEngine
-    from common.engine_config import EngineConfig
+    from common.engine.config import EngineConfig
     from tests.serve.conftest import MAX_MODEL_LEN, save_qwen3
 
     start = {n: t.clone() for n, t in make_model("qwen3", dtype=torch.bfloat16)
@@ -106,7 +106,7 @@ def test_a_serving_engine_actor_killed_mid_refit_fails_the_trainer_and_leaves_no
     margin naming the engine, no process of the actor's tree survives, and a replacement
     engine joins a rebuilt group and takes the next refit."""
     from common.clients.ray_engine import RayEngine
-    from common.engine_config import EngineConfig
+    from common.engine.config import EngineConfig
     from common.errors import RefitError
 
     model = make_model("qwen3", dtype=torch.bfloat16)

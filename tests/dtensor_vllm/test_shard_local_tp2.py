@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common.clients.local_engine import LocalEngine
-from common.engine_config import EngineConfig
+from common.engine.config import EngineConfig
 from tests.dtensor_vllm.helpers import LLM_KWARGS, greedy, join_one_trainer
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.clients.local_engine import LocalEngine
-from common.engine_config import EngineConfig
+from common.engine.config import EngineConfig
 from tests.dtensor_vllm.helpers import LLM_KWARGS, greedy, join_one_trainer
 
 pytestmark = pytest.mark.slow

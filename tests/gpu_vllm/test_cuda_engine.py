@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from common.clients.local_engine import LocalEngine
-from common.engine_config import EngineConfig
+from common.engine.config import EngineConfig
 from common.errors import RefitError
 from recipes.engines import join_one_trainer, tiny_llm_kwargs
 from tests.dtensor_vllm.helpers import DriftAt, greedy, perturb

@@ -85,7 +85,7 @@ def refit_job(ray, placement: RayPlacement, checkpoint: Path, engine_name: str
     from common.clients.fleet import EngineFleet
     from common.clients.ray_engine import RayEngine
     from common.config import RefitConfig
-    from common.engine_config import EngineConfig
+    from common.engine.config import EngineConfig
     from recipes.engines import tiny_llm_kwargs
 
     trainers = fleet = None

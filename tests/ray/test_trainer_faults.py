@@ -50,7 +50,7 @@ def rig(tmp_path_factory):
     ray = pytest.importorskip("ray")
     from common.clients.fleet import EngineFleet
     from common.clients.ray_engine import RayEngine
-    from common.engine_config import EngineConfig
+    from common.engine.config import EngineConfig
 
     path = tmp_path_factory.mktemp("ckpt") / "v0"
     make_model("qwen3", dtype=torch.bfloat16).save_pretrained(path)

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.broadcast import RefitSender, RefitStats
 from common.clients.engine_client import Completion, PauseMode
 from common.clients.fleet import EngineFleet
 from common.clients.http_engine import HttpEngine
@@ -24,6 +23,7 @@ from common.clients.serve import ServeConfig, VllmServer
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitSender, RefitStats
 from common.wire.group import RefitGroup, free_port
 
 MAX_MODEL_LEN = 8192  # long requests (thousands of tokens) stream for seconds

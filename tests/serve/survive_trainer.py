@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from common.broadcast import RefitSender
 from common.clients.fleet import EngineFleet
 from common.clients.http_engine import HttpEngine
 from common.config import RefitConfig
 from common.in_vllm.worker_ext import RefitWorkerExtension
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S
 

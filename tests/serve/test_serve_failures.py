@@ -21,13 +21,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.broadcast import RefitSender
 from common.clients.engine_client import EngineError
 from common.clients.fleet import EngineFleet
 from common.clients.serve import VllmServer
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
 from tests.dtensor_vllm.helpers import KillingSource

@@ -32,15 +32,15 @@ from dataclasses import dataclass
 import pytest
 import requests
 
-from common.broadcast import RefitSender
 from common.clients.engine_client import Completion
 from common.clients.fleet import EngineFleet
 from common.clients.serve import VllmServer
 from common.config import RefitConfig
-from common.engine_state import RefitState
+from common.engine.state import RefitState
 from common.errors import ROLLED_BACK, RefitError
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config

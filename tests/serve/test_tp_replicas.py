@@ -17,12 +17,12 @@ from dataclasses import replace
 
 import pytest
 
-from common.broadcast import RefitSender
 from common.clients.fleet import EngineFleet
 from common.clients.serve import VllmServer
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
 from tests.dtensor_vllm.helpers import perturb
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config, timed

@@ -18,13 +18,13 @@ import time
 
 import pytest
 
-from common.broadcast import RefitSender
 from common.clients.fleet import EngineFleet
 from common.clients.http_engine import HttpEngine
 from common.clients.serve import VllmServer
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
+from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config

@@ -2,7 +2,7 @@
 
 A compact need-set's frames live in N buffers of [header | the set's largest payload] on each
 rank that takes part (every trainer, the set's workers), in rotation like the bucket buffers.
-`GatherCopy` fills one frame's payload from the bucket's tensors (`common.shard_plan.Gather`):
+`GatherCopy` fills one frame's payload from the bucket's tensors (`common.shard.plan.Gather`):
 one native memcpy loop on CPU, one pointer-table kernel per copy unit on CUDA (`BufferKernel`),
 no per-piece Python on either; only where neither exists, a loop of small copies.
 """
@@ -18,7 +18,7 @@ import torch
 from common.kernels import native
 from common.kernels.pack_kernel import BufferKernel, block_for, kernel_available
 from common.packing import byte_view
-from common.shard_plan import Gather
+from common.shard.plan import Gather
 
 
 class CompactBuffers:

@@ -4,7 +4,7 @@ Every rank's needs digest is all-gathered (one small exchange per refit; trainer
 without a learned map say ""). When the digests differ from the last refit's, each distinct
 report is broadcast once (by its first rank), checked against the plan on every rank (a report
 that does not fit is refused, naming the worker, and the refit fails before a byte is sent),
-need-sets are formed (`common.shard_plan`) and each set gets a subgroup: every trainer + its
+need-sets are formed (`common.shard.plan`) and each set gets a subgroup: every trainer + its
 workers, built in set order by its members alone. Until a worker reports needs it takes whole
 buckets (the full set); with no compact set at all the whole group carries whole buckets, as
 without shard-to-shard. Switched off (`RefitConfig.shard_to_shard`) or on a transport without
@@ -17,9 +17,9 @@ import logging
 from dataclasses import dataclass
 
 from common.errors import NOTHING_LOADED, NeedsRefusedError
-from common.needs import Needs
 from common.plan import Bucket, RefitPlan
-from common.shard_plan import COMPACT, FULL, Gather, NeedSet, ShardPlan
+from common.shard.needs import Needs
+from common.shard.plan import COMPACT, FULL, Gather, NeedSet, ShardPlan
 from common.wire.transport import Subgroup, Transport
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from common import delta
+from common.delta import codec as delta
 from common.wire.transport import Transport
 
 NOT_A_MEMBER, NO_BASE = -2, -1  # a rank's report for a need-set (else: its base version)
@@ -66,7 +66,7 @@ class FrameStore:
         return self._unsafe
 
     def stage_delta(self, index: int, data: torch.Tensor) -> None:
-        """Frame `index` arrived as `data`, a delta on the entry (`common.delta`)."""
+        """Frame `index` arrived as `data`, a delta on the entry (`common.delta.codec`)."""
         if self._fits(data.numel(), index):
             self._staged[index] = (True, data.to(self.place, copy=True))
         else:

@@ -2,10 +2,10 @@
 
 At a refit's start (with `RefitConfig.delta`) every rank reports, per need-set, the version of
 the frames it holds for that set's layout (a trainer its shadow, a worker its base;
-`common.delta_store`), and a set whose members and trainers all hold one version goes in
+`common.delta.store`), and a set whose members and trainers all hold one version goes in
 delta mode on top of it; any other set (a new or restarted worker, a relearned map, a
 verification) goes whole, decided before a byte moves. In delta mode each frame is a header
-broadcast (fixed size) from the frame's source, then its payload: a delta (`common.delta`,
+broadcast (fixed size) from the frame's source, then its payload: a delta (`common.delta.codec`,
 kind `DELTA`) or, where that would not be smaller, the whole frame; every other rank of the
 set posts the payload's receive once the header has landed, so all ranks issue the set's
 collectives in one order. A worker posts the next frame's header and payload before it
@@ -19,15 +19,15 @@ from collections.abc import Callable
 
 import torch
 
-from common import delta
-from common.delta_store import NO_BASE, NOT_A_MEMBER, FrameStore, agree_on_bases
+from common.delta import codec as delta
+from common.delta.store import NO_BASE, NOT_A_MEMBER, FrameStore, agree_on_bases
 from common.errors import RefitError
 from common.plan import Bucket
-from common.sharding import Route
+from common.shard.replan import Route
 from common.wire import checksum
 from common.wire.bucket_header import HEADER_BYTES, STATUS_OK, Header
 
-DELTA = 2  # frame kind: a delta on the set's base (`common.shard_plan` has FULL, COMPACT)
+DELTA = 2  # frame kind: a delta on the set's base (`common.shard.plan` has FULL, COMPACT)
 WHOLE = "whole"  # the frame layout key of whole buckets
 
 

@@ -1,6 +1,6 @@
-"""The inference side of a refit (`common.broadcast` has the protocol): receive each frame,
-check it, hand it to the loader; keep a base of what was received (`common.delta_store`) so
-delta frames can be rebuilt (`common.delta_frames`) and a failed refit rolled back."""
+"""The inference side of a refit (`common.transfer.sender` has the protocol): receive each frame,
+check it, hand it to the loader; keep a base of what was received (`common.delta.store`) so
+delta frames can be rebuilt (`common.delta.frames`) and a failed refit rolled back."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from collections.abc import Callable
 
 import torch
 
-from common.delta_frames import DELTA, WHOLE, DeltaReceive, delta_modes, set_keys
-from common.delta_store import NO_BASE, FrameStore
-from common.endpoint import Endpoint
+from common.delta.frames import DELTA, WHOLE, DeltaReceive, delta_modes, set_keys
+from common.delta.store import NO_BASE, FrameStore
 from common.errors import RefitAborted, RefitError
-from common.handshake import PlanCheck, agree_on_plan
-from common.needs import Needs
 from common.packing import unpack
 from common.plan import Bucket, RefitPlan
-from common.sharding import Route
+from common.shard.needs import Needs
+from common.shard.replan import Route
 from common.stats import RefitStats
+from common.transfer.endpoint import Endpoint
+from common.transfer.handshake import PlanCheck, agree_on_plan
 from common.wire import checksum
 from common.wire.bucket_header import STATUS_OK, Header
 from common.wire.transport import Transport
@@ -45,7 +45,7 @@ class RefitReceiver(Endpoint):
     def __init__(self, group: Transport, plan: RefitPlan,
                  base_place: torch.device | None = None) -> None:
         super().__init__(group, plan)
-        # What this worker reads of each bucket (`common.needs`) once it knows (a learned
+        # What this worker reads of each bucket (`common.shard.needs`) once it knows (a learned
         # load map); reported at each refit's start. None: every byte.
         self.needs: Needs | None = None
         cfg = plan.config
@@ -78,7 +78,7 @@ class RefitReceiver(Endpoint):
                 verify: bool = False) -> RefitStats:
         """Receive one refit; `on_bucket(list of (name, tensor))` is called once per bucket
         that arrives whole, `on_compact(bucket index, payload)` once per compact frame (the
-        bytes of `self.needs`, placed as `common.shard_plan.Gather` says).
+        bytes of `self.needs`, placed as `common.shard.plan.Gather` says).
 
         The tensors are views into a receive buffer that is reused as soon as the callback
         returns: copy anything that must outlive the call. After the first failure (an ABORT

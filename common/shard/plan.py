@@ -1,6 +1,6 @@
 """Who receives which bytes of each bucket: need-sets and their compact frames.
 
-Workers that reported equal needs (`common.needs`) form a need-set; workers without a learned
+Workers that reported equal needs (`common.shard.needs`) form a need-set; workers without a learned
 map form the full set. Each bucket goes to each need-set as one frame over the set's subgroup
 (every trainer + the set's workers): the full set gets today's whole bucket, a compact set
 only the ranges it reads, back to back (`ByteRanges.placed`). A `Gather` says where each
@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from common.needs import ByteRanges, Needs, need_sets
 from common.plan import Bucket, RefitPlan
+from common.shard.needs import ByteRanges, Needs, need_sets
 
 _I64 = np.int64
 FULL, COMPACT = 0, 1  # frame kinds, in the bucket header

@@ -1,6 +1,6 @@
 """What sender and receiver share: the bucket buffers and their views, the frame headers, the
 re-plan of need-sets at a refit's start and the compact frames' buffers it calls for, and the
-end-of-refit status exchange (`common.broadcast` has the protocol)."""
+end-of-refit status exchange (`common.transfer.sender` has the protocol)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from collections.abc import Sequence
 
 import torch
 
-from common.handshake import exchange_status
-from common.needs import Needs
 from common.packing import BucketLayout
 from common.plan import Bucket, RefitPlan, align_up
-from common.shard_frames import CompactBuffers
-from common.sharding import Route, Sharding
+from common.shard.frames import CompactBuffers
+from common.shard.needs import Needs
+from common.shard.replan import Route, Sharding
 from common.stats import RefitStats
+from common.transfer.handshake import exchange_status
 from common.wire import checksum
 from common.wire.bucket_header import HEADER_BYTES, STATUS_ABORT, Header
 from common.wire.transport import Transport

@@ -7,10 +7,10 @@ Protocol (identical collective sequence on every rank, whatever fails, so nothin
            direct bucket, one large tensor: a header broadcast, then its bytes straight from the
            tensor into the receive buffer, or into a tensor of its own when oversize);
            then one all-gather of every rank's status, so every rank learns whether the refit
-           landed everywhere. With shard-to-shard (`common.sharding`) the refit starts with an
+           landed everywhere. With shard-to-shard (`common.shard.replan`) the refit starts with an
            all-gather of needs digests (and a re-plan when they changed), and each bucket goes
            as one frame per need-set over the set's subgroup: whole to the full set, only the
-           set's bytes to a compact set (`common.shard_frames`).
+           set's bytes to a compact set (`common.shard.frames`).
 The sender packs bucket k+1 while bucket k is on the wire (gloo works on its own thread; NCCL
 kernels run on the process group's stream while the pack runs on the compute stream). A buffer
 is reused only after the host has waited for its previous collective (with the timeout), so
@@ -27,22 +27,22 @@ from collections.abc import Iterator
 
 import torch
 
-from common.bucket_check import BucketChecker
-from common.delta_frames import ShadowSender
-from common.endpoint import Endpoint
+from common.delta.frames import ShadowSender
 from common.errors import (
     RefitCommError,
     RefitError,
     TensorMismatchError,
 )
-from common.handshake import agree_on_plan
 from common.kernels import native
 from common.packing import byte_view
 from common.plan import Bucket, RefitPlan
-from common.receiver import RefitReceiver
-from common.sharding import Route
+from common.shard.replan import Route
 from common.source import WeightSource
 from common.stats import RefitStats
+from common.transfer.bucket_check import BucketChecker
+from common.transfer.endpoint import Endpoint
+from common.transfer.handshake import agree_on_plan
+from common.transfer.receiver import RefitReceiver
 from common.wire import checksum
 from common.wire.bucket_header import HEADER_BYTES
 from common.wire.transport import Transport
@@ -232,7 +232,7 @@ class RefitSender(Endpoint):
 
     def _send_delta(self, bucket: Bucket, version: int, tensors: list, ptrs, error,
                     route: Route, base: int) -> tuple[list, object, BaseException | None]:
-        """One frame of a need-set in delta mode (`common.delta_frames`): its source packs,
+        """One frame of a need-set in delta mode (`common.delta.frames`): its source packs,
         encodes and sends it; the other trainers take part."""
         what = (f"refit v{version} bucket {bucket.index}/{len(self.plan.buckets)} to need-set "
                 f"{route.set_index}")
