@@ -63,7 +63,8 @@ def test_newcomer_fsdp2_quick_start_runs_as_written(server, checkpoints, tmp_pat
     script.write_text(block + EPILOGUE)
     trained = tmp_path / "trained"
     run_recipe(str(script), server.url, str(checkpoints.start), str(trained),
-               result=tmp_path / "done.json", nproc=2, timeout_s=300)
+               result=tmp_path / "done.json", nproc=2, timeout_s=300,
+               env={"PYTHONPATH": str(ROOT)})  # this checkout's refit, as if installed
     client = server.client(timeout_s=TIMEOUT_S)
     assert client.weight_version() == "2" and not client.is_paused()
     got = pairs(client.generate(PROMPTS, SHORT))
