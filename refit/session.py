@@ -112,11 +112,13 @@ def connect(source: WeightSource, engines: Sequence[str | EngineClient], *,
                     "names": fleet.rank_names(trainers)}
         except Exception as e:
             store.set(key, {"error": f"{type(e).__name__}: {e}"})
+            store.wait_for_ranks(f"{key}/read", trainers, quiet=True)  # rank 0 hosts the store
             raise RefitError(f"{_SETUP_FAILED}: {type(e).__name__}: {e}") from e
         store.set(key, wire)
     else:
         store.arrive(key, rank)
         wire = store.get(key)
+        store.arrive(f"{key}/read", rank)
     return _build(source, plan, wire, rank, trainers, device, fleet, joining, pause, timeout_s)
 
 
@@ -153,11 +155,14 @@ class _Shared:
     def arrive(self, key: str, rank: int) -> None:
         self.store.set(f"{key}/arrived/{rank}", "1")
 
-    def wait_for_ranks(self, key: str, trainers: int) -> None:
+    def wait_for_ranks(self, key: str, trainers: int, quiet: bool = False) -> None:
+        """Until every other rank `arrive`d at `key`; `quiet`: give up silently."""
         keys = [f"{key}/arrived/{r}" for r in range(1, trainers)]
         try:
             self.store.wait(keys, self.timeout)
         except Exception as e:  # noqa: BLE001 - named below
+            if quiet:
+                return
             missing = [r for r, k in enumerate(keys, 1) if not self.store.check([k])]
             raise RefitError(f"refit.connect: training ranks {missing} did not call "
                              f"refit.connect within {self.timeout.total_seconds():.0f}s (every "
@@ -171,8 +176,8 @@ class _Shared:
         the engines' answers."""
         try:
             self.store.wait([key], 2 * self.timeout)
+            return json.loads(self.store.get(key))
         except Exception as e:  # noqa: BLE001 - named below
             raise RefitError(f"refit.connect: no answer from training rank 0 within "
                              f"{2 * self.timeout.total_seconds():.0f}s (does rank 0 call "
-                             f"refit.connect too?): {e}") from e
-        return json.loads(self.store.get(key))
+                             f"refit.connect too? did it die?): {e}") from e

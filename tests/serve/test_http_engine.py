@@ -17,7 +17,6 @@ from common.clients.http_engine import TokenStream
 from tests.serve.conftest import LONG_PROMPT, PROMPTS, SHORT, TIMEOUT_S, Rig, timed
 
 pytestmark = pytest.mark.slow
-FIRST_TOKEN_S = 1.0  # a long request runs for LONG_S seconds on the server
 
 
 @dataclass
@@ -31,10 +30,24 @@ class InFlight:
     marks: dict  # perf_counter() times: "pause" (sent), "paused" (returned); token counts
 
 
+def _wait_until_running(rig: Rig, stream: TokenStream) -> None:
+    """Until the request has streamed a token, or the server's engine reports it running (its
+    Prometheus gauge): under load the API server may hold a stream's chunks back while the
+    request runs, and a pause sent then still meets it in flight."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not stream.first_token.wait(0.05):
+        metrics = requests.get(rig.server.url + "/metrics", timeout=TIMEOUT_S).text
+        if any(line.startswith("vllm:num_requests_running") and float(line.split()[-1]) > 0
+               for line in metrics.splitlines()):
+            return
+        assert time.monotonic() < deadline and not stream.done.is_set(), \
+            "the long request neither streamed a token nor ran"
+
+
 def _refit_in_flight(rig: Rig, mode: PauseMode, in_flight: Callable[[Completion], bool],
                      during: Callable[[TokenStream, dict], None] | None = None) -> InFlight:
-    """Refit with pause `mode` once a long request has streamed a token (or FIRST_TOKEN_S
-    after it was sent); `during` runs once the pause returned. On a loaded 2-core machine a
+    """Refit with pause `mode` once a long request runs (`_wait_until_running`); `during`
+    runs once the pause returned. On a loaded 2-core machine a
     whole request can reach the client in one late burst, after it ended on the server: not
     in flight at the pause. `in_flight`
     tells from the result; such a try is repeated (3 tries), so a mode that never acts on a
@@ -42,9 +55,7 @@ def _refit_in_flight(rig: Rig, mode: PauseMode, in_flight: Callable[[Completion]
     for attempt in range(1, 4):
         old, version = rig.engine.weight_version(), rig.next_version()
         stream = rig.engine.stream(LONG_PROMPT, rig.long_tokens, ignore_eos=True).start()
-        # its first token, or a moment on the server: under load the API server may hold
-        # the whole stream until the end, while the request runs for seconds
-        stream.first_token.wait(FIRST_TOKEN_S)
+        _wait_until_running(rig, stream)
         marks = {"seen": len(stream.tokens), "pause": time.perf_counter()}
 
         def paused(stream: TokenStream = stream, marks: dict = marks) -> None:

@@ -1,16 +1,17 @@
 """A newcomer's path (`pytest -k newcomer`), against a real `vllm serve` server.
 
-The README's FSDP2 quick start, extracted from the Markdown (not copied) and run as written
-under torchrun (2 gloo ranks); after its last step the server's greedy tokens and logprobs
-equal a fresh server's started on the trained weights (which the test's own epilogue, appended
-to the block, writes). And what a newcomer gets wrong (`newcomer_faults.py`): only rank 0 calls
-`refit.connect`, an engine that is not there, a training loop that raises after a refit: each
-ends the job within seconds of `connect`'s 10 s timeout, saying why; the server keeps serving
-the last refit that landed.
+The README's quick starts, extracted from the Markdown (not copied) and run as written under
+torchrun: FSDP2 (2 gloo ranks) and Megatron TP2 x PP2 (4 ranks); after the last step the
+server's greedy tokens and logprobs equal a fresh server's started on the trained weights
+(which the test's own epilogue, appended to the block, writes). And what a newcomer gets
+wrong (`newcomer_faults.py`): only rank 0 calls `refit.connect`, an engine that is not there,
+a training loop that raises after a refit: each ends the job within seconds of `connect`'s
+10 s timeout, saying why; the server keeps serving the last refit that landed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from common.clients.serve import VllmServer
+from common.clients.http_engine import HttpEngine
+from common.clients.serve import ServeConfig, VllmServer
 from common.wire.group import free_port
 from tests.recipe_runner import ROOT, run_recipe
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config
@@ -28,6 +30,7 @@ from tests.serve.test_survives import pairs
 
 pytestmark = pytest.mark.slow
 FAULTS = Path(__file__).with_name("newcomer_faults.py")
+MEGATRON_LEN = 64
 EPILOGUE = '''
 # -- the test's own epilogue: the trained weights as a checkpoint, for a fresh server --
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -37,6 +40,17 @@ if dist.get_rank() == 0:
     trained = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
     trained.load_state_dict(full)
     trained.save_pretrained(sys.argv[3])
+    open(sys.argv[-1], "w").write('{"saved": true}')
+'''
+
+
+MEGATRON_WEIGHTS = '''
+# -- the test's own epilogue: this model's weights as a checkpoint (rank 0) --
+from recipes.megatron_refit import gather_full, write_checkpoint
+
+full = gather_full(source, refit.RefitPlan.build(source.plan_specs(), refit.RefitConfig()))
+if dist.get_rank() == 0:
+    write_checkpoint(full, DENSE, sys.argv[2])
     open(sys.argv[-1], "w").write('{"saved": true}')
 '''
 
@@ -59,20 +73,51 @@ def test_newcomer_fsdp2_quick_start_runs_as_written(server, checkpoints, tmp_pat
     block = readme_block("fsdp2")
     refit_lines = [line for line in block.splitlines() if "refit" in line]
     assert len(refit_lines) <= 10, refit_lines
-    script = tmp_path / "quickstart.py"
-    script.write_text(block + EPILOGUE)
     trained = tmp_path / "trained"
-    run_recipe(str(script), server.url, str(checkpoints.start), str(trained),
-               result=tmp_path / "done.json", nproc=2, timeout_s=300,
-               env={"PYTHONPATH": str(ROOT)})  # this checkout's refit, as if installed
-    client = server.client(timeout_s=TIMEOUT_S)
-    assert client.weight_version() == "2" and not client.is_paused()
-    got = pairs(client.generate(PROMPTS, SHORT))
+    _run_block(block + EPILOGUE, tmp_path, "quickstart", server.url, str(checkpoints.start),
+               str(trained), nproc=2)
+    got = _served(server.url)
     with VllmServer(serve_config(trained, "newcomer-fresh")) as fresh:
         want = pairs(fresh.client(timeout_s=TIMEOUT_S).generate(PROMPTS, SHORT))
     assert got == want, "the quick start's server differs from a fresh one on its weights"
     log = Path(server.config.log_path).read_text()  # the backend's own lines, in vLLM's log
     assert "refit v1 landed in" in log and "refit v2 landed in" in log, log[-3000:]
+
+
+def _run_block(code: str, tmp_path: Path, name: str, *argv: str, nproc: int) -> None:
+    """`code` as a script under torchrun (this checkout's refit importable, as if installed)."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(code)
+    run_recipe(str(script), *argv, result=tmp_path / f"{name}.json", nproc=nproc,
+               timeout_s=300, env={"PYTHONPATH": str(ROOT)})
+
+
+def _served(url: str) -> list:
+    client = HttpEngine(url, timeout_s=TIMEOUT_S)
+    assert client.weight_version() == "2" and not client.is_paused()
+    return pairs(client.generate(PROMPTS, SHORT))
+
+
+def test_newcomer_megatron_quick_start_runs_as_written(tmp_path) -> None:
+    """The model's own weights first (the block up to `refit.connect`, plus the epilogue),
+    a server on them; then the whole block, and a fresh server on what it trained."""
+    block = readme_block("megatron")
+    assert len([line for line in block.splitlines() if "refit" in line]) <= 10
+    start, trained = tmp_path / "start", tmp_path / "trained"
+    _run_block(block[:block.index("with refit.connect(")] + MEGATRON_WEIGHTS, tmp_path,
+               "weights", "unused", str(start), nproc=4)
+    with VllmServer(_short(start, "newcomer-megatron")) as server:
+        _run_block(block + MEGATRON_WEIGHTS, tmp_path, "quickstart", server.url, str(trained),
+                   nproc=4)
+        got = _served(server.url)
+    with VllmServer(_short(trained, "newcomer-megatron-fresh")) as fresh:
+        want = pairs(fresh.client(timeout_s=TIMEOUT_S).generate(PROMPTS, SHORT))
+    assert got == want, "the quick start's server differs from a fresh one on its weights"
+
+
+def _short(checkpoint: Path, name: str) -> ServeConfig:
+    """The Megatron model's positions are few: a short max model length."""
+    return dataclasses.replace(serve_config(checkpoint, name), max_model_len=MEGATRON_LEN)
 
 
 def _faults(mode: str, url: str, checkpoint: Path, version: int = 1) -> tuple[int, str, float]:
