@@ -59,12 +59,9 @@ class RefitSession:
                                 self.pause, group=self.group)
 
     def close(self) -> None:
-        """Leave the refit group and let go of the engine clients (the engines keep serving
-        the last version that landed)."""
+        """Leave the refit group. The engines keep serving the last version that landed;
+        clients the caller passed stay the caller's (closing a `LocalEngine` stops it)."""
         self.group.destroy()
-        if self.fleet is not None:
-            for engine in self.fleet.engines:
-                engine.close()
 
     def __enter__(self) -> RefitSession:
         return self
@@ -138,8 +135,6 @@ def _build(source: WeightSource, plan: RefitPlan, wire: dict, rank: int, trainer
             joining.result(timeout_s)
     except BaseException:
         group.destroy()
-        for engine in fleet.engines if fleet is not None else []:
-            engine.close()
         raise
     return RefitSession(source, sender, group, fleet, pause)
 

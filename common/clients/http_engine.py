@@ -130,26 +130,31 @@ class HttpEngine(EngineClient):
         self._call("POST", "/finish_weight_update", json={"weight_version": version})
 
     def _get_version(self) -> str:
-        if self._has_version_routes():
-            return str(self._json("GET", "/weight_info")["weight_version"])
+        if (info := self._weight_info()) is not None:
+            return str(info["weight_version"])
         version = self._state().version  # vLLM without weight versions: the engine's record
         return "0" if version is None else str(version)
 
     def _set_version(self, version: str) -> None:
-        if self._has_version_routes():  # else the refit state's version is the engine's own
+        if self._version_routes is None:
+            self._weight_info()
+        if self._version_routes:  # else the refit state's version is the engine's own
             self._call("POST", "/update_weight_version", json={"new_version": version})
 
-    def _has_version_routes(self) -> bool:
-        """Whether this server's vLLM keeps a weight version (asked once: 404 says no)."""
-        if self._version_routes is None:
-            try:
-                self._call("GET", "/weight_info")
-                self._version_routes = True
-            except EngineError as e:
-                if "HTTP 404" not in str(e):
-                    raise
-                self._version_routes = False
-        return self._version_routes
+    def _weight_info(self) -> dict[str, Any] | None:
+        """`GET /weight_info`, or None where the server's vLLM has no weight versions (its
+        404 is remembered: not asked again)."""
+        if self._version_routes is False:
+            return None
+        try:
+            info = self._json("GET", "/weight_info")
+        except EngineError as e:
+            if "HTTP 404" not in str(e):
+                raise
+            self._version_routes = False
+            return None
+        self._version_routes = True
+        return info
 
     def _is_paused(self) -> bool:
         return bool(self._json("GET", "/is_paused")["is_paused"])
