@@ -85,8 +85,9 @@ def _engines(path: Path, cuda: bool) -> list:
 
 
 def _apply_s(receiver: dict) -> float:
-    """A worker's apply: its loads and post-processing, without the staging copies."""
-    return receiver["load_s"] - receiver.get("stage_s", 0.0)
+    """A worker's apply: its loads and post-processing, without the staging copies (on a GPU
+    their device time: the host returns before the copies ran)."""
+    return receiver.get("device_apply_s") or receiver["load_s"] - receiver.get("stage_s", 0.0)
 
 
 def bench_model(name: str, root: Path, refits: int, quick: bool) -> dict:
@@ -132,6 +133,7 @@ def bench_model(name: str, root: Path, refits: int, quick: bool) -> dict:
             "refit_s": per["refit_s"], "apply_over_copy": direct / copy,
             "load_weights_over_apply": loaders / direct,
             "direct_path": report.get("path"), "direct_why": report.get("why"),
+            "direct_layers": report.get("layers"),
             "direct_split_s": {k: statistics.median(x[k] for x in per["split"])
                                for k in ("copy_s", "process_s", "post_s")},
             "staged_bytes_per_s": nbytes / stage if stage else None,

@@ -2,9 +2,11 @@
 
 The first refit of a worker loads through `load_weights` under a `CopyRecorder`; `DirectLoad`
 then keeps, per bucket, the byte runs into each layer's model-format tensors. A layer that
-serves its tensors as loaded (norms) gets its runs straight into the serving tensors; a layer
-with post-load processing (CPU prepacked linears and embeddings, fused-MoE experts) gets them
-into fresh model-format tensors, then vLLM's own per-layer reload step processes it once.
+serves its tensors as loaded gets its runs straight into the serving tensors: norms, and on a
+GPU the unquantized linears, embeddings and fused-MoE experts whose processing the learning
+refit saw leave the loaded bytes as they were (`KEEPS_LOADED_BYTES`). A layer with real
+post-load processing (CPU prepacked linears and embeddings, shuffled experts) gets them into
+fresh model-format tensors, then vLLM's own per-layer reload step processes it once.
 Tensors the map cannot express keep `load_weights`. Only vLLM processes import this module.
 """
 
@@ -41,6 +43,12 @@ from common.shard.needs import ByteRanges, Needs
 
 log = logging.getLogger(__name__)
 COPY, PROCESS = "copy", "process"  # straight into the serving tensors / through processing
+# Quant methods whose processing, off the CPU, derives nothing from the loaded values beyond the
+# layer's own tensors (no packed copy, no kernel handle, no scales): where the learning refit saw
+# it leave a layer's bytes as loaded, re-running it would only copy them onto themselves. On
+# the CPU the same methods keep prepacked copies of the weights: never skipped there.
+KEEPS_LOADED_BYTES = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod",
+                                "UnquantizedFusedMoEMethod"})
 Items = list[tuple[str, torch.Tensor]]
 
 
@@ -61,14 +69,18 @@ def model_format(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: t for n, t in {**params, **buffers}.items() if n not in SKIP_LOAD_TENSORS}
 
 
-def layer_kind(layer: torch.nn.Module) -> str | None:
+def layer_kind(layer: torch.nn.Module, kept_bytes: bool = False) -> str | None:
     """COPY, PROCESS, or None: the layer keeps `load_weights` (attention layers, processed
-    at the end of the reload)."""
+    at the end of the reload). `kept_bytes`: its processing was seen to leave the loaded
+    bytes as they were (`map_check.ProcessingWatch.kept_bytes`)."""
     if is_deferred_attention_layer(layer):
         return None
-    if isinstance(getattr(layer, "quant_method", None), QuantizeMethodBase):
-        return PROCESS
     live = get_layer_tensors(layer)
+    method = getattr(layer, "quant_method", None)
+    if isinstance(method, QuantizeMethodBase) and not (
+            kept_bytes and type(method).__name__ in KEEPS_LOADED_BYTES
+            and all(t.device.type not in ("cpu", "meta") for t in live.values())):
+        return PROCESS
     for name, meta in model_format(layer).items():
         t = live.get(name)
         if t is None or (t.shape, t.stride(), t.dtype) != (meta.shape, meta.stride(), meta.dtype):
@@ -248,8 +260,10 @@ class DirectLoad:
                 self._hash_layer(path)
 
 
-def learn(model: torch.nn.Module, plan: RefitPlan, recorder: CopyRecorder) -> DirectLoad:
-    """The map from one recorded `load_weights` refit (see the module docstring)."""
+def learn(model: torch.nn.Module, plan: RefitPlan, recorder: CopyRecorder,
+          kept_bytes: frozenset[str] = frozenset()) -> DirectLoad:
+    """The map from one recorded `load_weights` refit (see the module docstring);
+    `kept_bytes`: the layers whose processing left their loaded bytes as they were."""
     modules = dict(model.named_modules())
     layers = {p: m for p, m in modules.items() if model_format(m)}
     bad_tensors, ran = _runs_of_fills(recorder)
@@ -259,7 +273,7 @@ def learn(model: torch.nn.Module, plan: RefitPlan, recorder: CopyRecorder) -> Di
         fed[fill.dest.layer].add(fill.index)
     kinds = {}
     for path in fed:
-        kinds[path] = layer_kind(layers[path])
+        kinds[path] = layer_kind(layers[path], path in kept_bytes)
         if kinds[path] is None:
             bad_layers.setdefault(path, "is processed at the end of the reload")
         why = _untiled(path, layers[path], ran)
@@ -276,6 +290,7 @@ def learn(model: torch.nn.Module, plan: RefitPlan, recorder: CopyRecorder) -> Di
     runs = _bucket_runs(plan, bad_tensors, ran, {d: i for i, d in enumerate(dests)}, kinds,
                         params)
     report = _report(plan, bad_tensors, ran)
+    report["layers"] = dict(Counter(kinds.values()))
     direct = DirectLoad(model, dests, kinds, runs, report)
     needs = direct.use_compact(plan)
     report.update(needs_bytes=needs.nbytes(), needs_digest=needs.digest[:16])

@@ -70,6 +70,13 @@ class ProcessingWatch:
 
         return process_weights_after_loading
 
+    def kept_bytes(self, model: torch.nn.Module) -> frozenset[str]:
+        """The layers seen since the last take whose processed (serving) tensors are the
+        model-format tensors their processing was given: same names, shapes, dtypes, bytes."""
+        modules = dict(model.named_modules())
+        return frozenset(path for path, given in self.seen.items()
+                         if given and _fingerprint(modules[path]) == given)
+
     def take(self) -> dict[str, Fingerprint]:
         """What was seen since the last take (the next run of a layer counts as its first)."""
         seen, self.seen = self.seen, {}

@@ -45,7 +45,8 @@ class LoadMapSteps:
         loads (`kept` bytes; None: REFIT_VERIFY_MAP=0); a failure keeps `load_weights`."""
         t0, label = time.perf_counter(), self.receiver.group.label
         try:
-            self.direct = learn(self.model, self.receiver.plan, recorder)
+            kept_bytes = kept.processing.kept_bytes(self.model) if kept else frozenset()
+            self.direct = learn(self.model, self.receiver.plan, recorder, kept_bytes)
         except Exception:  # noqa: BLE001 - the refit itself landed
             log.exception("%s: learning the load map failed; staying on load_weights", label)
             return

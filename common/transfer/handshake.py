@@ -115,6 +115,8 @@ def exchange_status(group: Transport, stats: RefitStats, error: BaseException | 
              "delta_frames": stats.delta_frames}
     if stats.stage_s:  # host staging only
         times["stage_s"] = stats.stage_s
+    if stats.device_apply_s:  # a GPU apply
+        times["device_apply_s"] = stats.device_apply_s
     if stats.loaded_hash and error is None:  # a failed refit's record keeps room for its error
         times["loaded_hash"] = stats.loaded_hash
     group.refits += 1

@@ -17,6 +17,7 @@ from common.plan import Bucket, RefitPlan
 from common.shard.needs import Needs
 from common.shard.replan import Route
 from common.stats import RefitStats
+from common.transfer.apply_clock import ApplyClock
 from common.transfer.endpoint import Endpoint
 from common.transfer.handshake import PlanCheck, agree_on_plan
 from common.wire import checksum
@@ -58,6 +59,7 @@ class RefitReceiver(Endpoint):
         # engine refit by CPU trainers over gloo): each frame is copied there, then loaded.
         self.apply_device: torch.device | None = None
         self._staged: torch.Tensor | None = None
+        self.clock = ApplyClock()  # the apply's device time on a GPU (`RefitStats.device_apply_s`)
 
     def keep_base_of(self, old: RefitReceiver | None) -> None:
         """Carry `old`'s base over (a new group for the same plan: the next refit can still
@@ -94,6 +96,7 @@ class RefitReceiver(Endpoint):
         stats = RefitStats(-1, len(self.plan.buckets), self.plan.total_bytes, role="receiver")
         t0 = time.perf_counter()
         self.applied, self._verify, self.undo_refusal = [], verify, None
+        self.clock.take_s()  # a roll-back's spans are not this refit's
         what = "refit" if version is None else f"refit v{version}"
         self.agree_on_needs(self.needs, what)
         stats.replan_s = time.perf_counter() - t0
@@ -271,13 +274,14 @@ class RefitReceiver(Endpoint):
         error = None
         try:
             payload = self._on_apply_device(payload, stats)
-            if route.gather is None:
-                on_bucket(self._unpack(bucket, payload))
-            elif on_compact is None:
-                raise RefitError(f"a compact frame of bucket {bucket.index} arrived, but "
-                                 f"receive() has no on_compact")
-            else:
-                on_compact(bucket.index, payload)
+            with self.clock.timing(payload.device):
+                if route.gather is None:
+                    on_bucket(self._unpack(bucket, payload))
+                elif on_compact is None:
+                    raise RefitError(f"a compact frame of bucket {bucket.index} arrived, but "
+                                     f"receive() has no on_compact")
+                else:
+                    on_compact(bucket.index, payload)
         except Exception as e:  # noqa: BLE001 - reported to every rank at the end
             error = RefitError(f"{self.group.label}: loading bucket {bucket.index} "
                                f"({self.first_name(bucket)!r}..) failed: "
@@ -360,7 +364,8 @@ class RefitReceiver(Endpoint):
         """`on_done()`, timed as loading; the refit's first error (its own, or this one)."""
         t1 = time.perf_counter()
         try:
-            stats.loaded_hash = on_done() or ""
+            with self.clock.timing(self.apply_device or self.group.device):
+                stats.loaded_hash = on_done() or ""
         except Exception as e:  # noqa: BLE001 - reported to every rank
             if error is None:
                 error = RefitError(f"{self.group.label}: finishing refit v{stats.version} "
@@ -368,4 +373,5 @@ class RefitReceiver(Endpoint):
                 error.__cause__ = e
         stats.post_s = time.perf_counter() - t1
         stats.load_s += stats.post_s
+        stats.device_apply_s = self.clock.take_s()
         return error

@@ -9,7 +9,8 @@ a DeepSeek-V3-style MLA model with the fp32 router bias, a Qwen3 with tied embed
 v3 (a delta), v4 fails mid-refit (a tensor drifts from the plan after buckets were applied:
 every worker rolls back, the engine serves v3 again, unchanged), v5 (a delta on v3). After v5
 greedy tokens and logprobs equal a fresh CUDA engine started on v5's weights, and so does every
-param, bit for bit; the test prints which path each worker took and why.
+param, bit for bit; the test prints which path each worker took and why. Unquantized layers
+(all but MLA's attention) are copied straight into the serving tensors, never processed.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def _engine(model: str, **kwargs: object) -> LocalEngine:
 
 
 def _paths(engine: LocalEngine) -> list[dict]:
-    keys = ("path", "tensors", "bytes", "why", "needs_bytes", "loaded_hash", "rolled_back")
+    keys = ("path", "tensors", "bytes", "why", "needs_bytes", "loaded_hash", "rolled_back",
+            "layers")
     return [{k: r[k] for k in keys if k in r} for r in engine.apply_reports()]
 
 
@@ -111,6 +113,10 @@ def test_cuda_engine_refits_learns_rolls_back_and_equals_a_fresh_engine(name, tm
                 stats = trainer.refit(v)
                 print(f"[gpu] {name} v{v}: {stats.summary()}\n  {json.dumps(_paths(engine))}")
             served = greedy(engine)
+            if arch != "deepseek_v3":  # unquantized CUDA layers: processing keeps their bytes
+                layers = engine.apply_reports()[0].get("layers", {})
+                assert layers.get("copy") and not layers.get("process"), \
+                    f"{name}: the learned map still processes layers on CUDA: {layers}"
             specs = trainer.sender.plan.specs
             drifted = DriftAt(versions[5], specs[len(specs) // 2].name)
             with pytest.raises(RefitError, match="the plan says bfloat16"):
