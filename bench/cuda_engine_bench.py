@@ -106,7 +106,8 @@ def bench_model(name: str, root: Path, refits: int, quick: bool) -> dict:
     try:
         trainer = join_one_trainer(engines, state, timeout_s=600, bucket_bytes=256 << 20,
                                    transport_device="cpu" if cuda else None)
-        per = {"direct": [], "load_weights": [], "stage_s": [], "refit_s": [], "split": []}
+        per = {"direct": [], "load_weights": [], "stage_s": [], "refit_s": [], "split": [],
+               "device_post_s": []}
         for version in range(1, refits + 1):
             for t in state.values():
                 t.add_(1)  # new bytes each refit (bf16: a different value)
@@ -114,6 +115,7 @@ def bench_model(name: str, root: Path, refits: int, quick: bool) -> dict:
             per["direct"].append(_apply_s(stats.receivers[1]))  # engine i: refit rank i + 1
             per["load_weights"].append(_apply_s(stats.receivers[2]))
             per["stage_s"].append(stats.receivers[1].get("stage_s", 0.0))
+            per["device_post_s"].append(stats.receivers[1].get("device_post_s", 0.0))
             per["refit_s"].append(stats.seconds)
             if version > 1:  # where the learned map's apply went: copies, vLLM's processing
                 per["split"].append(engines[0].apply_reports()[0]["last_refit"])
@@ -134,8 +136,9 @@ def bench_model(name: str, root: Path, refits: int, quick: bool) -> dict:
             "load_weights_over_apply": loaders / direct,
             "direct_path": report.get("path"), "direct_why": report.get("why"),
             "direct_layers": report.get("layers"),
-            "direct_split_s": {k: statistics.median(x[k] for x in per["split"])
-                               for k in ("copy_s", "process_s", "post_s")},
+            "direct_split_s": {**{k: statistics.median(x[k] for x in per["split"])
+                                  for k in ("copy_s", "process_s", "post_s")},
+                               "device_post_s": statistics.median(per["device_post_s"][1:])},
             "staged_bytes_per_s": nbytes / stage if stage else None,
             "refit_bytes_per_s": nbytes / statistics.median(per["refit_s"][1:]),
             "pause_resume_s": pause}

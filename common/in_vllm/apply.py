@@ -118,9 +118,12 @@ class DirectLoad:
         self.modules = dict(model.named_modules())
         self.paths = {m: p for p, m in self.modules.items()}
         # what vLLM's reload must open each refit: every layer with loadable tensors but the
-        # copy ones, and the attention layers (processed at its end, e.g. MLA's derived weights)
+        # copy ones, and the attention layers that hold weights (their processing at the end
+        # of the reload derives from them, e.g. MLA's from its kv_b_proj); one without any
+        # would only have its processing redone on unchanged inputs
         self.reloaded = torch.nn.ModuleList(
-            [m for p, m in self.modules.items() if is_deferred_attention_layer(m)
+            [m for p, m in self.modules.items()
+             if (is_deferred_attention_layer(m) and any(map(model_format, m.modules())))
              or (model_format(m) and kinds.get(p) != COPY)])
         self.processed = torch.nn.ModuleList(
             [self.modules[p] for p, k in kinds.items() if k == PROCESS])
@@ -180,10 +183,11 @@ class DirectLoad:
                 return f"{dest.param_name} changed shape or dtype since the map was learned"
         return None
 
-    def begin(self, direct_only: bool = False) -> None:
+    def begin(self, direct_only: bool = False) -> torch.nn.Module:
         """Open vLLM's reload for the layers that need it (not the copy ones: they keep the
         serving tensors the runs write into, resolved by name now: a refit may replace them);
-        `direct_only`: for the processed layers of the map alone (a re-apply, see `verify`)."""
+        `direct_only`: for the processed layers of the map alone (a re-apply, see `verify`).
+        Returns what was opened: the module to finalise the reload on."""
         self.times = {"copy_s": 0.0, "process_s": 0.0}  # this refit's, for the apply report
         opened = self.processed if direct_only else self.reloaded
         initialize_layerwise_reload(opened)
@@ -194,6 +198,7 @@ class DirectLoad:
         for i, dest in enumerate(self.dests):
             if self.kinds[dest.layer] == COPY:
                 self.bases[i] = get_layer_tensors(self.modules[dest.layer])[dest.name].data_ptr()
+        return opened
 
     def load(self, index: int, items: Items,
              fallback: Callable[[Items], set[str]] | None) -> set[str]:

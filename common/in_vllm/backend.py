@@ -98,6 +98,7 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
         self.last_version: int | None = None  # last refit that landed on this worker
         self.landed = False  # a refit landed since start_weight_update
         self.direct: DirectLoad | None = None  # the learned map (REFIT_APPLY=direct)
+        self._reloading: torch.nn.Module | None = None  # what this refit's reload opened
         self.apply_report: dict = {}
         self.state = RefitState()  # what this worker holds (module docstring)
         self._touched = False  # the refit in progress began receiving bytes
@@ -218,7 +219,7 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
             nonlocal finalized
             finalized = True
             with watch:
-                finalize_layerwise_reload(model, self.model_config)
+                finalize_layerwise_reload(self._reloading, self.model_config)
             self.fixes.after_load(loaded)
             if why := self.fixes.describe_missing(loaded):
                 raise RuntimeError(why)
@@ -300,16 +301,17 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
 
     def _open_reload(self, direct: DirectLoad | None) -> None:
         """vLLM's reload for this refit: the learned map's layers (hashing what they load
-        when asked), or every layer for `load_weights`."""
+        when asked), or every layer for `load_weights`; `_reloading` is what was opened."""
         if direct is None:
             initialize_layerwise_reload(self.model)
+            self._reloading = self.model
             return
         direct.hashes = loaded_hash.LoadedHashes() if loaded_hash.enabled() else None
-        direct.begin()
+        self._reloading = direct.begin()
 
     def _end_reload(self, loaded: set[str]) -> None:
         """Finalise vLLM's reload session and redo what it skips for the `loaded` params."""
-        finalize_layerwise_reload(self.model, self.model_config)
+        finalize_layerwise_reload(self._reloading, self.model_config)
         self.fixes.after_load(loaded)
 
     def _close_reload(self, loaded: set[str], version: int) -> None:

@@ -15,14 +15,14 @@ import torch
 
 
 class ApplyClock:
-    """Sums the device time of the spans `timing()` wraps (CUDA only; elsewhere 0)."""
+    """Sums the device time of the spans `timing()` wraps, by label (CUDA only)."""
 
     def __init__(self) -> None:
-        self.pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.pairs: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextmanager
-    def timing(self, device: torch.device) -> Iterator[None]:
-        """Time the work queued on `device`'s current stream inside the block."""
+    def timing(self, device: torch.device, label: str) -> Iterator[None]:
+        """Time the work queued on `device`'s current stream inside the block as `label`."""
         if device.type != "cuda":
             yield
             return
@@ -33,13 +33,14 @@ class ApplyClock:
             yield
         finally:
             end.record(stream)
-            self.pairs.append((start, end))
+            self.pairs.append((label, start, end))
 
-    def take_s(self) -> float:
-        """The spans' device seconds so far (waits for the last to end), and start over."""
-        if not self.pairs:
-            return 0.0
-        self.pairs[-1][1].synchronize()
-        total = sum(start.elapsed_time(end) for start, end in self.pairs) / 1e3
+    def take(self) -> dict[str, float]:
+        """Device seconds per label so far (waits for the last span to end); starts over."""
+        total: dict[str, float] = {}
+        if self.pairs:
+            self.pairs[-1][2].synchronize()
+        for label, start, end in self.pairs:
+            total[label] = total.get(label, 0.0) + start.elapsed_time(end) / 1e3
         self.pairs = []
         return total

@@ -116,7 +116,7 @@ def exchange_status(group: Transport, stats: RefitStats, error: BaseException | 
     if stats.stage_s:  # host staging only
         times["stage_s"] = stats.stage_s
     if stats.device_apply_s:  # a GPU apply
-        times["device_apply_s"] = stats.device_apply_s
+        times.update(device_apply_s=stats.device_apply_s, device_post_s=stats.device_post_s)
     if stats.loaded_hash and error is None:  # a failed refit's record keeps room for its error
         times["loaded_hash"] = stats.loaded_hash
     group.refits += 1

@@ -96,7 +96,7 @@ class RefitReceiver(Endpoint):
         stats = RefitStats(-1, len(self.plan.buckets), self.plan.total_bytes, role="receiver")
         t0 = time.perf_counter()
         self.applied, self._verify, self.undo_refusal = [], verify, None
-        self.clock.take_s()  # a roll-back's spans are not this refit's
+        self.clock.take()  # a roll-back's spans are not this refit's
         what = "refit" if version is None else f"refit v{version}"
         self.agree_on_needs(self.needs, what)
         stats.replan_s = time.perf_counter() - t0
@@ -274,7 +274,7 @@ class RefitReceiver(Endpoint):
         error = None
         try:
             payload = self._on_apply_device(payload, stats)
-            with self.clock.timing(payload.device):
+            with self.clock.timing(payload.device, "load"):
                 if route.gather is None:
                     on_bucket(self._unpack(bucket, payload))
                 elif on_compact is None:
@@ -364,7 +364,7 @@ class RefitReceiver(Endpoint):
         """`on_done()`, timed as loading; the refit's first error (its own, or this one)."""
         t1 = time.perf_counter()
         try:
-            with self.clock.timing(self.apply_device or self.group.device):
+            with self.clock.timing(self.apply_device or self.group.device, "post"):
                 stats.loaded_hash = on_done() or ""
         except Exception as e:  # noqa: BLE001 - reported to every rank
             if error is None:
@@ -373,5 +373,6 @@ class RefitReceiver(Endpoint):
                 error.__cause__ = e
         stats.post_s = time.perf_counter() - t1
         stats.load_s += stats.post_s
-        stats.device_apply_s = self.clock.take_s()
+        spans = self.clock.take()
+        stats.device_apply_s, stats.device_post_s = sum(spans.values()), spans.get("post", 0.0)
         return error
