@@ -19,7 +19,7 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-# The suite's budget is 25 minutes on 2 cores (README): two groups side by side
+# The suite's budget is 25 minutes on 2 cores (docs/testing.md): two groups side by side
 # (scripts/run_tests.sh), each ending with its slowest tests (DURATIONS; 0: every one) and total.
 DURATIONS ?= 10
 test: lint

@@ -3,12 +3,12 @@
     python bench/cost_model.py --model DeepSeek-V3 --trainer tp=2,pp=16,ep=8,dp=4 \\
         --engine tp=8,ep=32,dp=2 [--gpu h100] [--mode full|delta|shard] [--fp8]
     python bench/cost_model.py --check           # held-out runs: predicted vs measured
-    python bench/cost_model.py --write-readme    # the README's "At scale" tables
+    python bench/cost_model.py --write-readme    # the "At scale" tables, docs/at-scale.md
 
 The arithmetic is in `cost_model_core.py` (buckets, the critical path with N buffers), the
 constants in `cost_model_inputs.py` (measured ones read from bench/results/ at run time, each
 with its file and stamp; links; assumed ranges), the check in `cost_model_check.py`, the
-at-scale model in `cost_model_scale.py`, the README tables in `cost_model_readme.py`.
+at-scale model in `cost_model_scale.py`, the docs tables in `cost_model_readme.py`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cost_model_check import check  # noqa: E402
-from cost_model_readme import README, render  # noqa: E402
+from cost_model_readme import write  # noqa: E402
 from cost_model_scale import Engine, LayoutError, Links, Options, Trainer, figures, predict  # noqa: E402
 
 CHECK_OUT = Path(__file__).resolve().parent / "results" / "cost_model_check.json"
@@ -57,7 +57,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--buffers", type=int, default=2)
     ap.add_argument("--bucket-mib", type=int, default=256)
     ap.add_argument("--check", action="store_true", help="predict the held-out runs")
-    ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--write-readme", action="store_true",
+                    help="rewrite the At scale tables in docs/at-scale.md")
     return ap.parse_args(argv)
 
 
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                       f" ms error {r['error']:+.1%}")
             print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
         elif a.write_readme:
-            README.write_text(render(README.read_text()))
+            write()
         else:
             print(json.dumps(answer(a), indent=1))
     except LayoutError as e:

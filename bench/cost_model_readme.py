@@ -1,5 +1,7 @@
-"""The README's "At scale" tables, generated from the cost model (`bench/cost_model.py
---write-readme` rewrites them between their markers; `tests/test_cost_model.py` checks)."""
+"""The "At scale" tables (docs/at-scale.md), generated from the cost model (`bench/cost_model.py
+--write-readme` rewrites them between their markers in every page of `FILES`;
+`tests/test_cost_model.py` checks). The README's headline table quotes one of its figures
+(`scale_cells`, through `bench/readme_tables.py`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ from pathlib import Path
 
 from cost_model_scale import Engine, LayoutError, Links, Options, Trainer, figures, predict
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+# the pages that hold <!-- cost_model:NAME --> blocks; each block is rendered where it is
+FILES = (ROOT / "docs" / "at-scale.md",)
 H100, H200 = Links(gpu="h100"), Links(gpu="h200")
 # name -> (model, trainer, engine): disaggregated nodes of 8 GPUs, 8 x 400 Gb/s NICs each
 TOPOLOGIES = {
@@ -51,6 +55,11 @@ def _cells(model: str, t: Trainer, e: Engine, links: Links) -> list[str]:
         return [f"does not fit: {err}"] + ["-"] * (len(OPTIONS) - 1)
 
 
+def scale_cells(topology: str, links: Links) -> dict[str, str]:
+    """One `TOPOLOGIES` case on `links`: option -> "best / expected / worst (bound)" seconds."""
+    return dict(zip(OPTIONS, _cells(*TOPOLOGIES[topology], links), strict=True))
+
+
 def _range(p: dict) -> str:
     s = p["seconds"]
     return f"{s['best']:.2f} / {s['expected']:.2f} / {s['worst']:.2f} ({p['bound']})"
@@ -60,7 +69,7 @@ def scale_table() -> str:
     rows = []
     for name, (model, t, e) in TOPOLOGIES.items():
         for links in (H100, H200):
-            cells = _cells(model, t, e, links)
+            cells = scale_cells(name, links).values()
             rows.append(f"| {model} | {name} {links.gpu.upper()} | {_layout(t, e)} | "
                         + " | ".join(cells) + " |")
     head = ["model", "GPUs (trainer -> engines)", "layout", *OPTIONS]
@@ -70,8 +79,7 @@ def scale_table() -> str:
 def peers_table() -> str:
     rows = []
     for who, what, secs, hw, topo, links in PEERS:
-        model, t, e = TOPOLOGIES[topo]
-        cells = _cells(model, t, e, links)
+        cells = scale_cells(topo, links).values()
         rows.append(f"| {who} | {what} | {secs} | {hw} | {topo} {links.gpu.upper()} | "
                     + " | ".join(cells) + " |")
     head = ["peer", "model", "their s", "their hardware", "modelled as", *OPTIONS]
@@ -92,9 +100,18 @@ TABLES = {"scale": scale_table, "peers": peers_table, "constants": constants_tab
 BLOCK = re.compile(r"(<!-- cost_model:(\w+) -->\n)(?:(?!<!--).)*(<!-- /cost_model -->)", re.S)
 
 
-def render(readme: str) -> str:
-    """`readme` with each cost-model table replaced by the model's output."""
-    found = {m.group(2) for m in BLOCK.finditer(readme)}
+def render(text: str) -> str:
+    """`text` (one page of `FILES`) with each cost-model table it holds replaced by the model's
+    output."""
+    return BLOCK.sub(lambda m: m.group(1) + TABLES[m.group(2)]() + "\n" + m.group(3), text)
+
+
+def write() -> None:
+    """Rewrite the tables in every page of `FILES`; each table must be in one of them."""
+    pages = {path: path.read_text() for path in FILES}
+    found = {m.group(2) for text in pages.values() for m in BLOCK.finditer(text)}
     if missing := set(TABLES) - found:
-        raise SystemExit(f"README.md has no <!-- cost_model:NAME --> block for {missing}")
-    return BLOCK.sub(lambda m: m.group(1) + TABLES[m.group(2)]() + "\n" + m.group(3), readme)
+        raise SystemExit(f"no <!-- cost_model:NAME --> block for {missing} in "
+                         f"{', '.join(str(p.relative_to(ROOT)) for p in FILES)}")
+    for path, text in pages.items():
+        path.write_text(render(text))

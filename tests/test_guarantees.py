@@ -1,4 +1,4 @@
-"""Guarantees of the core that the README states, each held by a test that fails when the
+"""Guarantees of the core that docs/architecture.md states, each held by a test that fails when the
 guarantee breaks (`pytest -k guarantee`; the engine-side ones are in
 tests/dtensor_vllm/test_guarantees_engine.py). Real gloo groups and shared memory, spawned ranks.
 """

@@ -1,17 +1,35 @@
 """The wheel carries every room of `common/` (and the native source) and the vLLM plugin: built
 with `pip wheel`, installed into a scratch directory and imported from there with the checkout
-and its editable install off the path (an editable install hides a package the wheel lacks)."""
+and its editable install off the path (an editable install hides a package the wheel lacks).
+And a newcomer's install: a fresh venv over an environment that has vLLM (this one's
+site-packages, without the checkout's editable install), `pip install` of the wheel, then the
+README's `vllm serve` command as written, from a folder outside the checkout: the server finds
+the `refit` backend, the worker extension and the guard in the wheel and answers refit_state."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import pytest
+import requests
+
+from common.clients.http_engine import HttpEngine
+from common.wire.group import free_port
+from tests.docs_blocks import block
+
 ROOT = Path(__file__).resolve().parents[1]
-ROOMS = ["refit", "common", "common.wire", "common.kernels", "common.in_vllm", "common.clients",
-         "common.launch"]
+PIP = [sys.executable, "-m", "pip"]
+ROOMS = ["refit", "common", "common.wire", "common.kernels", "common.engine", "common.shard",
+         "common.delta", "common.transfer", "common.in_vllm", "common.clients", "common.launch"]
 # One module of each room that imports without vllm (the in_vllm room's need it: their files
 # are checked instead), and the plugin.
 MODULES = ["refit.session", "common.transfer.sender", "common.wire.group", "common.kernels.native",
@@ -50,16 +68,96 @@ def _source_tree(into: Path) -> Path:
     return into
 
 
-def test_the_wheel_installs_every_room_and_the_plugin(tmp_path) -> None:
-    pip = [sys.executable, "-m", "pip"]
-    source = _source_tree(tmp_path / "src")
-    subprocess.run([*pip, "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path / "dist")], check=True, timeout=300, cwd=tmp_path)
-    (wheel,) = (tmp_path / "dist").glob("refit-*.whl")
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel `pip wheel` builds from the checkout's files (timed: a newcomer's build)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    t0 = time.perf_counter()
+    subprocess.run([*PIP, "wheel", str(_source_tree(tmp / "src")), "--no-deps",
+                    "--no-build-isolation", "-q", "-w", str(tmp / "dist")], check=True,
+                   timeout=300, cwd=tmp)
+    print(f"[install] pip wheel: {time.perf_counter() - t0:.1f} s")
+    (built,) = (tmp / "dist").glob("refit-*.whl")
+    return built
+
+
+def _install(wheel: Path, target: Path) -> None:
+    t0 = time.perf_counter()
+    subprocess.run([*PIP, "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True, timeout=300, cwd=target.parent)
+    print(f"[install] pip install of the wheel: {time.perf_counter() - t0:.1f} s")
+
+
+def test_the_wheel_installs_every_room_and_the_plugin(wheel, tmp_path) -> None:
     target = tmp_path / "site"
-    subprocess.run([*pip, "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-                   check=True, timeout=300, cwd=tmp_path)
+    _install(wheel, target)
     done = subprocess.run([sys.executable, "-c", _CHECK, str(target), str(ROOT),
                            ",".join(ROOMS + MODULES)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_fresh_venv_with_the_wheel_runs_the_readme_serve_command(wheel, tmp_path) -> None:
+    from tests.serve.conftest import save_qwen3
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    site = Path(subprocess.run([venv / "bin" / "python", "-c",
+                                "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    # the user's environment with vLLM: its .pth files (the checkout's editable install) unread
+    (site / "users_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    _install(wheel, site)
+    where = subprocess.run([venv / "bin" / "python", "-c", "import common, refit; "
+                            "print(common.__file__, refit.__file__)"], cwd=tmp_path,
+                           capture_output=True, text=True, env=_fresh_env(venv), timeout=120)
+    assert where.returncode == 0 and all(Path(f).is_relative_to(site)
+                                         for f in where.stdout.split()), where
+    save_qwen3(None, tmp_path / "checkpoint")
+    with _readme_server(venv, tmp_path) as url:
+        state = HttpEngine(url, timeout_s=30).engine_state()
+    assert state.phase == "complete" and state.version is None, state
+
+
+def _fresh_env(venv: Path, **extra: str) -> dict[str, str]:
+    """This process's environment with the venv first on PATH and no checkout on the path."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return {**env, "PATH": f"{venv / 'bin'}:{env.get('PATH', '')}", **extra}
+
+
+@contextmanager
+def _readme_server(venv: Path, tmp_path: Path) -> Iterator[str]:
+    """The README's serve command as written (on this machine's free port, small limits),
+    run by bash from `tmp_path` with the venv's python; yields its URL once healthy."""
+    port = free_port("127.0.0.1")
+    command = block("run: serve-command").rstrip() + (
+        f" --host 127.0.0.1 --port {port} --skip-tokenizer-init --enforce-eager "
+        f"--max-model-len 128 --max-num-seqs 4")
+    env = _fresh_env(venv, CHECKPOINT=str(tmp_path / "checkpoint"), OMP_NUM_THREADS="1",
+                     REFIT_DISABLE_CPU_AMX="1")
+    log = tmp_path / "serve.log"
+    t0 = time.perf_counter()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["bash", "-c", command], cwd=tmp_path, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while not _healthy(url):
+            assert proc.poll() is None, f"the server exited: {log.read_text()[-3000:]}"
+            assert time.perf_counter() - t0 < 240, f"not ready: {log.read_text()[-3000:]}"
+            time.sleep(1)
+        print(f"[install] the README's vllm serve ready in {time.perf_counter() - t0:.1f} s")
+        yield url
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return requests.get(url + "/health", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False

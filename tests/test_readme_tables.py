@@ -1,4 +1,5 @@
-"""The README's benchmark tables are the ones generated from the committed raw results."""
+"""The benchmark tables of the README and docs/ are the ones generated from the committed raw
+results, each in exactly one of the pages `bench/readme_tables.py` renders (`FILES`)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,16 @@ def _readme_tables():
 
 def test_the_readme_tables_are_generated_from_bench_results() -> None:
     tables = _readme_tables()
-    readme = (ROOT / "README.md").read_text()
-    assert tables.render(readme) == readme, (
-        "README.md's benchmark tables differ from bench/results/: run "
-        "`python bench/readme_tables.py --write`")
+    pages = {path: path.read_text() for path in tables.FILES}
+    for path, text in pages.items():
+        assert tables.render(text) == text, (
+            f"{path.relative_to(ROOT)}'s benchmark tables differ from bench/results/: run "
+            "`python bench/readme_tables.py --write`")
+    assert tables.placed(list(pages.values())) == dict.fromkeys(tables.TABLES, 1), (
+        "each table's <!-- table:NAME --> block belongs in exactly one page of FILES")
+    text = "\n".join(pages.values())
     for name in tables.TABLES:  # every benchmark's table is there, with rows
-        block = readme.split(f"<!-- table:{name} -->\n", 1)[1].split("<!-- /table -->", 1)[0]
-        assert block.startswith("| results file |") and len(block.splitlines()) >= 3, name
+        block = text.split(f"<!-- table:{name} -->\n", 1)[1].split("<!-- /table -->", 1)[0]
+        lines = block.splitlines()
+        assert len(lines) >= 3 and lines[1].startswith("| --- |"), name
+        assert name in ("headline", "cuda_engine") or lines[0].startswith("| results file |")

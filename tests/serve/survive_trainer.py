@@ -1,4 +1,4 @@
-"""A trainer process of the `-k survives` tests, following the README's crash-restart path:
+"""A trainer process of the `-k survives` tests, following docs/failures.md's crash-restart path:
 a new group on a fresh port, the engine joined again, its state adopted; then refits that
 land, then (optionally) one it dies in with SIGKILL at a chosen point.
 

@@ -24,6 +24,7 @@ import pytest
 from common.clients.http_engine import HttpEngine
 from common.clients.serve import ServeConfig, VllmServer
 from common.wire.group import free_port
+from tests.docs_blocks import block as docs_block
 from tests.recipe_runner import ROOT, run_recipe
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config
 from tests.serve.test_survives import pairs
@@ -55,14 +56,6 @@ if dist.get_rank() == 0:
 '''
 
 
-def readme_block(name: str) -> str:
-    """The code block the README marks `<!-- newcomer: NAME -->`."""
-    text = (ROOT / "README.md").read_text()
-    marker = f"<!-- newcomer: {name} -->\n```python\n"
-    start = text.index(marker) + len(marker)
-    return text[start:text.index("```\n", start)]
-
-
 @pytest.fixture(scope="module")
 def server(checkpoints) -> Iterator[VllmServer]:
     with VllmServer(serve_config(checkpoints.start, "newcomer")) as server:
@@ -70,7 +63,7 @@ def server(checkpoints) -> Iterator[VllmServer]:
 
 
 def test_newcomer_fsdp2_quick_start_runs_as_written(server, checkpoints, tmp_path) -> None:
-    block = readme_block("fsdp2")
+    block = docs_block("newcomer: fsdp2")
     refit_lines = [line for line in block.splitlines() if "refit" in line]
     assert len(refit_lines) <= 10, refit_lines
     trained = tmp_path / "trained"
@@ -101,7 +94,7 @@ def _served(url: str) -> list:
 def test_newcomer_megatron_quick_start_runs_as_written(tmp_path) -> None:
     """The model's own weights first (the block up to `refit.connect`, plus the epilogue),
     a server on them; then the whole block, and a fresh server on what it trained."""
-    block = readme_block("megatron")
+    block = docs_block("newcomer: megatron")
     assert len([line for line in block.splitlines() if "refit" in line]) <= 10
     start, trained = tmp_path / "start", tmp_path / "trained"
     _run_block(block[:block.index("with refit.connect(")] + MEGATRON_WEIGHTS, tmp_path,
