@@ -23,16 +23,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
 
-from common.launch.ray_cluster import RayLayout, TrainerActor  # noqa: E402
+from common.launch.ray_cluster import RayLayout  # noqa: E402
 from recipes.dtensor_fsdp_refit import PROBE_TOKENS, PROMPTS, fsdp_step, tiny_qwen3  # noqa: E402,E501
 from recipes.engines import tiny_llm_kwargs  # noqa: E402
-from recipes.ray_loop import Batches, main_loop, parser  # noqa: E402
+from recipes.ray_loop import Batches, SessionTrainer, main_loop, parser  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS, SAMPLES_PER_RANK = 6, 16, 2
 LLM_KWARGS = tiny_llm_kwargs(128, max_num_seqs=8)
 
 
-class FSDPTrainer(TrainerActor):
+class FSDPTrainer(SessionTrainer):
     """One trainer rank: the tiny Qwen3 (same seed on every rank), FSDP2, AdamW."""
 
     def build(self):

@@ -1,7 +1,8 @@
-"""The Ray recipes' driver: an RL-shaped loop, one step off, for any `TrainerActor` class.
+"""The Ray recipes' driver: an RL-shaped loop, one step off, for any `SessionTrainer` class.
 
-The trainer class implements `build()` (its weight source), `save_checkpoint(path)` (every
-rank calls it; the engines start from what it writes) and `train_step(samples) -> loss`.
+The trainer class (a `SessionTrainer`: its refits set up with `refit.connect`) implements
+`build()` (its weight source), `save_checkpoint(path)` (every rank calls it; the engines start
+from what it writes) and `train_step(samples) -> loss`.
 Engines (`AsyncLLM` with the refit backend, one async actor each) generate batch k+1 while
 the trainers train on batch k; then the engines are paused, refit and resumed, and the weight
 version is the step. Every sample carries the versions its tokens came from, read from
@@ -23,6 +24,7 @@ from pathlib import Path
 import ray
 import torch
 
+import refit
 from common.clients.engine_client import PAUSE_MODES, EngineError
 from common.clients.fleet import EngineFleet
 from common.clients.ray_engine import RayEngine
@@ -31,6 +33,7 @@ from common.engine.config import EngineConfig
 from common.launch.ray_cluster import (
     RayLayout,
     RayPlacement,
+    TrainerActor,
     TrainerFailure,
     TrainerGroup,
     start_trainers,
@@ -100,10 +103,23 @@ def probe(fleet: EngineFleet, prompts: list[list[int]], new_tokens: int) -> list
     return greedy(fleet.engines[0], prompts, new_tokens)[0]
 
 
+class SessionTrainer(TrainerActor):
+    """A trainer actor that sets up its refits as a torchrun rank does, with `refit.connect`:
+    the engines' clients travel to every rank, rank 0 drives them (pause, commit, resume),
+    every rank sends its share; `refit(step)` returns or raises one verdict on every rank."""
+
+    def connect(self, engines: list, config: RefitConfig, pause: str, timeout_s: float) -> str:
+        self.session = refit.connect(self.source, engines, config=config, pause=pause,
+                                     host=ray.util.get_node_ip_address(), timeout_s=timeout_s)
+        self.sender = self.session.sender  # the base class's `shutdown` leaves its group
+        return self.sender.plan.digest
+
+
 def start(args, layout: RayLayout, actor_cls: type, actor_args: tuple, llm_kwargs: dict,
           workdir: Path):
     """Placement, trainer actors (their first weights saved as the engines' checkpoint),
-    engine actors, and the refit group across them."""
+    engine actors, and every trainer's `refit.connect` to them (`SessionTrainer`); the
+    driver's own fleet of the same engines generates."""
     placement = RayPlacement(layout)
     trainers = start_trainers(actor_cls, placement, *actor_args)
     ckpt = str(workdir / "v0")
@@ -111,14 +127,9 @@ def start(args, layout: RayLayout, actor_cls: type, actor_args: tuple, llm_kwarg
     config = EngineConfig(model=ckpt, llm_kwargs=llm_kwargs)
     engines = [RayEngine.start(config, serving=True, name=f"engine-{i}",
                                **placement.engine_options(i)) for i in range(layout.engines)]
-    fleet = EngineFleet(engines)
-    host, port = ray.get(trainers.actors[0].address.remote(), timeout=layout.timeout_s)
-    joining = fleet.join_async(host, port, layout.trainers, timeout_s=layout.timeout_s)
     refit_config = RefitConfig.from_env(bucket_bytes=4 << 20, timeout_s=layout.timeout_s)
-    trainers.call("join_refit", host, port, fleet.world_size(layout.trainers),
-                  fleet.rank_names(layout.trainers), refit_config, layout.timeout_s)
-    joining.result(layout.timeout_s)
-    return placement, trainers, fleet
+    trainers.call("connect", engines, refit_config, args.pause, layout.timeout_s)
+    return placement, trainers, EngineFleet(engines)
 
 
 def run(args, tag: str, batches: Batches, trainers: TrainerGroup, fleet: EngineFleet,
@@ -139,7 +150,7 @@ def run(args, tag: str, batches: Batches, trainers: TrainerGroup, fleet: EngineF
         t0 = time.perf_counter()
         losses = trainers.call("train_step", [s["tokens"] for s in samples])
         train_s, t0 = time.perf_counter() - t0, time.perf_counter()
-        stats = trainers.refit(fleet, step, args.pause)
+        stats = trainers.call("refit", step)  # rank 0 pauses, commits and resumes
         finite = [x for x in losses if x == x]  # ranks off the last pipeline stage say nan
         rows.append({"step": step, "loss": sum(finite) / len(finite), "wait_s": wait_s,
                      "train_s": train_s, "refit_s": time.perf_counter() - t0,

@@ -19,17 +19,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes.*
 
-from common.launch.ray_cluster import RayLayout, TrainerActor  # noqa: E402
+from common.launch.ray_cluster import RayLayout  # noqa: E402
 from recipes.engines import tiny_llm_kwargs  # noqa: E402
 from recipes.mcore_models import MAX_POS, MICRO, MICROBATCHES, SEQ, VOCAB  # noqa: E402
 from recipes.megatron_refit import NEW_TOKENS, PROMPTS  # noqa: E402
-from recipes.ray_loop import Batches, main_loop, parser  # noqa: E402
+from recipes.ray_loop import Batches, SessionTrainer, main_loop, parser  # noqa: E402
 
 TRAINERS, PROMPT_LEN = 4, 6
 LLM_KWARGS = tiny_llm_kwargs(MAX_POS, max_num_seqs=8)
 
 
-class MegatronTrainer(TrainerActor):
+class MegatronTrainer(SessionTrainer):
     """One trainer rank: its Megatron chunk (randomised, the same seed everywhere), AdamW."""
 
     def build(self):

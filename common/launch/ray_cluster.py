@@ -114,6 +114,7 @@ class TrainerActor(ABC):
 
     def __init__(self, *args: Any) -> None:
         self.args, self.sender, self.source = args, None, None
+        self.session = None  # a `refit.connect` session, where a subclass made one
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         bind_process_to(ray.util.get_node_ip_address())  # gloo: the node's address, as Ray
 
@@ -148,7 +149,10 @@ class TrainerActor(ABC):
         return plan.digest
 
     def refit(self, version: int) -> dict[str, Any]:
-        stats = self.sender.refit(self.source, version)
+        """Send `version` (through the session where there is one: its rank 0 also drives the
+        engines); this rank's stats."""
+        stats = (self.sender.refit(self.source, version) if self.session is None
+                 else self.session.refit(version))
         return dataclasses.asdict(stats) | {"summary": stats.summary()}
 
     def shutdown(self) -> None:
