@@ -56,6 +56,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fp8", action="store_true", help="1 byte per element on the wire")
     ap.add_argument("--buffers", type=int, default=2)
     ap.add_argument("--bucket-mib", type=int, default=256)
+    ap.add_argument("--interleave", action="store_true",
+                    help="buckets in turn by sender (a plan built so), not in plan order")
     ap.add_argument("--check", action="store_true", help="predict the held-out runs")
     ap.add_argument("--write-readme", action="store_true",
                     help="rewrite the At scale tables in docs/at-scale.md")
@@ -67,7 +69,8 @@ def answer(a: argparse.Namespace) -> dict:
     if not a.model:
         raise LayoutError("--model is required (or --check / --write-readme)")
     links = Links(a.nvlink_gbps, a.nics, a.nic_gbit, a.gpu)
-    opts = Options(a.mode, a.density, 1 if a.fp8 else 2, a.buffers, a.bucket_mib << 20)
+    opts = Options(a.mode, a.density, 1 if a.fp8 else 2, a.buffers, a.bucket_mib << 20,
+                   a.interleave)
     out = predict(a.model, parse_layout(Trainer, a.trainer), parse_layout(Engine, a.engine),
                   links, opts)
     out["constants"] = {f.name: f"{f.expected:.4g} {f.unit} ({f.source}, {f.stamp})"

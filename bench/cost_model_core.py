@@ -58,6 +58,19 @@ def cut(items: list[tuple[int, int, bool]], bucket_bytes: int) -> list[Bucket]:
     return out
 
 
+def interleave(buckets: list[Bucket]) -> list[Bucket]:
+    """The buckets taken one sender at a time in turn (each sender's own order kept), so a
+    sender produces its next bucket while the others' go over the wire."""
+    queues: dict[int, list[Bucket]] = {}
+    for b in buckets:
+        queues.setdefault(b.sender, []).append(b)
+    out, turn = [], [q[::-1] for q in queues.values()]
+    while turn:
+        out += [q.pop() for q in turn]
+        turn = [q for q in turn if q]
+    return out
+
+
 def _produce(costs: StageCosts, i: int, buffers: int, handback_s: float) -> float:
     if buffers == 1:
         return costs.host[i] + costs.device[i] + handback_s

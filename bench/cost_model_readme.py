@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from cost_model_scale import Engine, LayoutError, Links, Options, Trainer, figures, predict
@@ -48,16 +49,18 @@ def _layout(t: Trainer, e: Engine) -> str:
             f"{e.dp}")
 
 
-def _cells(model: str, t: Trainer, e: Engine, links: Links) -> list[str]:
+def _cells(model: str, t: Trainer, e: Engine, links: Links, interleave: bool = False) -> list[str]:
     try:
-        return [_range(predict(model, t, e, links, o)) for o in OPTIONS.values()]
+        return [_range(predict(model, t, e, links, replace(o, interleave=interleave)))
+                for o in OPTIONS.values()]
     except LayoutError as err:  # e.g. bf16 weights that do not fit the engine's GPUs
         return [f"does not fit: {err}"] + ["-"] * (len(OPTIONS) - 1)
 
 
-def scale_cells(topology: str, links: Links) -> dict[str, str]:
-    """One `TOPOLOGIES` case on `links`: option -> "best / expected / worst (bound)" seconds."""
-    return dict(zip(OPTIONS, _cells(*TOPOLOGIES[topology], links), strict=True))
+def scale_cells(topology: str, links: Links, interleave: bool = False) -> dict[str, str]:
+    """One `TOPOLOGIES` case on `links`: option -> "best / expected / worst (bound)" seconds
+    (`interleave`: the buckets in turn by sender, `cost_model_core.interleave`)."""
+    return dict(zip(OPTIONS, _cells(*TOPOLOGIES[topology], links, interleave), strict=True))
 
 
 def _range(p: dict) -> str:
@@ -65,11 +68,11 @@ def _range(p: dict) -> str:
     return f"{s['best']:.2f} / {s['expected']:.2f} / {s['worst']:.2f} ({p['bound']})"
 
 
-def scale_table() -> str:
+def scale_table(interleave: bool = False) -> str:
     rows = []
     for name, (model, t, e) in TOPOLOGIES.items():
         for links in (H100, H200):
-            cells = scale_cells(name, links).values()
+            cells = scale_cells(name, links, interleave).values()
             rows.append(f"| {model} | {name} {links.gpu.upper()} | {_layout(t, e)} | "
                         + " | ".join(cells) + " |")
     head = ["model", "GPUs (trainer -> engines)", "layout", *OPTIONS]
@@ -94,7 +97,8 @@ def constants_table() -> str:
     return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), *rows])
 
 
-TABLES = {"scale": scale_table, "peers": peers_table, "constants": constants_table}
+TABLES = {"scale": scale_table, "scale_interleaved": lambda: scale_table(interleave=True),
+          "peers": peers_table, "constants": constants_table}
 
 
 BLOCK = re.compile(r"(<!-- cost_model:(\w+) -->\n)(?:(?!<!--).)*(<!-- /cost_model -->)", re.S)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from cost_model_check import machine
-from cost_model_core import Bucket, StageCosts, Timeline, cut, simulate
+from cost_model_core import Bucket, StageCosts, Timeline, cut, interleave, simulate
 from cost_model_inputs import (
     MEMORY_GB,
     NIC_NDR,
@@ -74,6 +74,7 @@ class Options:
     wire_bytes: int = 2  # per element on the wire: 2 (bf16) or 1 (fp8)
     buffers: int = 2
     bucket_bytes: int = 256 << 20
+    interleave: bool = False  # buckets in turn by sender, not in plan order (`interleave`)
 
 
 @cache
@@ -165,8 +166,10 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 @cache
-def buckets(model: str, t: Trainer, bucket_bytes: int) -> tuple[Bucket, ...]:
-    return tuple(cut(owners(model, t), bucket_bytes))
+def buckets(model: str, t: Trainer, bucket_bytes: int,
+            interleaved: bool = False) -> tuple[Bucket, ...]:
+    cuts = cut(owners(model, t), bucket_bytes)
+    return tuple(interleave(cuts) if interleaved else cuts)
 
 
 def owners(model: str, t: Trainer) -> list[tuple[int, int, bool]]:
@@ -247,7 +250,7 @@ def timeline(model: str, t: Trainer, e: Engine, links: Links, o: Options,
     """One case (best / expected / worst) of the refit, the engine's pause included."""
     f = figures()
     r = _rates(f, links, case)
-    bs = list(buckets(model, t, o.bucket_bytes))
+    bs = list(buckets(model, t, o.bucket_bytes, o.interleave))
     costs = StageCosts([b.tensors * r["host"] for b in bs],
                        [_producer(b, t, o, f, r, case) for b in bs],
                        [_wire(b, t, e, o, f, r, case) for b in bs],

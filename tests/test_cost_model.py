@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from cost_model import main, parse_layout  # noqa: E402
 from cost_model_check import CALIBRATION, HELD_OUT, machine  # noqa: E402
-from cost_model_core import Bucket, StageCosts, cut, simulate  # noqa: E402
+from cost_model_core import Bucket, StageCosts, cut, interleave, simulate  # noqa: E402
 from cost_model_inputs import RESULTS, load  # noqa: E402
 from cost_model_readme import FILES, TABLES, render  # noqa: E402
 from cost_model_scale import Engine, LayoutError, Links, Options, Trainer, figures, wire_fraction  # noqa: E402
@@ -40,6 +40,23 @@ def test_cost_model_pipeline_by_hand() -> None:
     assert sum(t.totals.values()) == pytest.approx(t.seconds)
     # 1 buffer: (1 + 0.5 hand-back + 3) x 3, the first two applies under the next packs
     assert simulate(b, c, 1, handback_s=0.5).seconds == pytest.approx(3 * 4.5 + 0.5)
+
+
+def test_cost_model_interleave_takes_senders_in_turn_and_overlaps_their_work() -> None:
+    a, b, c = (Bucket(s, 1, n) for s, n in ((0, 1), (1, 2), (2, 3)))
+    a2, b2 = Bucket(0, 1, 4), Bucket(1, 1, 5)
+    assert interleave([a, a2, b, b2, c]) == [a, b, c, a2, b2]  # each sender's order kept
+    # two senders, 4 buckets each, 2 s to produce, 1 s on the wire, 2 buffers. In plan order
+    # the first sender's buckets leave at 3, 5, 7, 9; the second had 2 ready, sends them at
+    # 9-11, then produces each of its last two only once a buffer is back: 13, 15. In turn
+    # both produce at once: a bucket leaves every second from 2 on, the last two at 8-10.
+    bs = [Bucket(0, 1, 1)] * 4 + [Bucket(1, 1, 1)] * 4
+    costs = StageCosts([2.0] * 8, [0.0] * 8, [1.0] * 8, [0.0] * 8)
+    in_order, in_turn = simulate(bs, costs, 2), simulate(interleave(bs), costs, 2)
+    assert in_order.seconds == pytest.approx(15.0)
+    assert in_order.totals["sender"] == pytest.approx(7.0)  # the wire waiting on a sender
+    assert in_turn.seconds == pytest.approx(10.0)
+    assert in_turn.totals["sender"] == pytest.approx(2.0)  # only for the first bucket
 
 
 def test_cost_model_delta_wire_fraction_matches_the_codec() -> None:

@@ -116,9 +116,10 @@ class HostedEngine(EngineClient):
         outs = self._call("generate", prompts=prompts, max_tokens=max_tokens, sampling=sampling)
         return [Completion(**out) for out in outs]
 
-    def read(self, names: list[str] | None = None) -> dict:
-        """Copies of the engine's readable params by vLLM name (tests compare them)."""
-        return self._call("read", names=names)
+    def read(self, names: list[str] | None = None, worker: int = 0) -> dict:
+        """Copies of a worker's readable params by vLLM name (tests compare them); `worker`:
+        its index in the engine (its TP rank, for TP > 1)."""
+        return self._call("read", names=names, worker=worker)
 
     def apply_reports(self) -> list[dict]:
         """Per worker: how it applies refits (`common.in_vllm.backend`'s apply report)."""

@@ -17,6 +17,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -111,8 +112,12 @@ class DirectLoad:
     """One worker's learned map (`learn`) and its use on each later refit (`begin`, `load`)."""
 
     def __init__(self, model: torch.nn.Module, dests: list[Dest], kinds: dict[str, str],
-                 runs: dict[int, BucketRuns], report: dict) -> None:
+                 runs: dict[int, BucketRuns], report: dict,
+                 consts: dict[str, list[tuple[int, np.ndarray, int, Any]]]) -> None:
+        """`consts`: per layer, the loaders' one-value fills (dest index, byte offsets, run,
+        value): rewritten each refit, where no received byte lands (padding rows)."""
         self.model, self.dests, self.kinds, self.runs = model, dests, kinds, runs
+        self.consts = consts
         self.report = report
         self.plan_digest = report["plan_digest"]
         self.modules = dict(model.named_modules())
@@ -198,6 +203,9 @@ class DirectLoad:
         for i, dest in enumerate(self.dests):
             if self.kinds[dest.layer] == COPY:
                 self.bases[i] = get_layer_tensors(self.modules[dest.layer])[dest.name].data_ptr()
+        for path in self.consts:
+            if self.kinds[path] == COPY:
+                self._fill_consts(path)
         return opened
 
     def load(self, index: int, items: Items,
@@ -233,6 +241,7 @@ class DirectLoad:
             live = get_layer_tensors(layer)
             for i in self.dest_index[path]:
                 self.bases[i] = live[self.dests[i].name].data_ptr()
+            self._fill_consts(path)
         t0 = time.perf_counter()
         copy.run(first, self.bases)
         t1 = time.perf_counter()
@@ -249,6 +258,15 @@ class DirectLoad:
                     self.hashes.add(name, tensor)
             loaded |= fallback(rest)
         return loaded
+
+    def _fill_consts(self, path: str) -> None:
+        """The loaders' one-value fills of layer `path`, written again."""
+        live = get_layer_tensors(self.modules[path])
+        for i, offsets, nbytes, value in self.consts.get(path, ()):
+            t = live[self.dests[i].name].detach()
+            flat = t.as_strided((int(offsets.max() + nbytes) // t.itemsize,), (1,))
+            for at in (offsets // t.itemsize).tolist():
+                flat[at : at + nbytes // t.itemsize].fill_(value)
 
     def _hash_layer(self, path: str) -> None:
         """Its dests' model-format bytes into `hashes` (when on)."""
@@ -273,6 +291,7 @@ def learn(model: torch.nn.Module, plan: RefitPlan, recorder: CopyRecorder,
     layers = {p: m for p, m in modules.items() if model_format(m)}
     bad_tensors, ran = _runs_of_fills(recorder)
     bad_layers = {d.layer: f"{d.name} {why}" for d, why in recorder.bad_dests.items()}
+    consts = _const_runs(recorder, bad_layers)
     fed: dict[str, set[int]] = defaultdict(set)
     for fill in recorder.fills:
         fed[fill.dest.layer].add(fill.index)
@@ -281,7 +300,7 @@ def learn(model: torch.nn.Module, plan: RefitPlan, recorder: CopyRecorder,
         kinds[path] = layer_kind(layers[path], path in kept_bytes)
         if kinds[path] is None:
             bad_layers.setdefault(path, "is processed at the end of the reload")
-        why = _untiled(path, layers[path], ran)
+        why = _untiled(path, layers[path], ran, consts.get(path, []))
         if why:
             bad_layers.setdefault(path, why)
     _spread(plan, bad_tensors, bad_layers, fed)
@@ -289,14 +308,16 @@ def learn(model: torch.nn.Module, plan: RefitPlan, recorder: CopyRecorder,
         if layer_kind(layers[path]) is not None:
             kinds[path] = COPY
     kinds = {p: k for p, k in kinds.items() if p not in bad_layers}
-    dests = sorted({f.dest for f in recorder.fills if f.dest.layer in kinds},
-                   key=lambda d: (d.layer, d.name))
+    dests = sorted({f.dest for f in [*recorder.fills, *recorder.const_fills]
+                    if f.dest.layer in kinds}, key=lambda d: (d.layer, d.name))
+    dest_ids = {d: i for i, d in enumerate(dests)}
     params = {p: set(get_layerwise_info(m).restore_metadata[0]) for p, m in layers.items()}
-    runs = _bucket_runs(plan, bad_tensors, ran, {d: i for i, d in enumerate(dests)}, kinds,
-                        params)
+    runs = _bucket_runs(plan, bad_tensors, ran, dest_ids, kinds, params)
     report = _report(plan, bad_tensors, ran)
     report["layers"] = dict(Counter(kinds.values()))
-    direct = DirectLoad(model, dests, kinds, runs, report)
+    fills = {p: [(dest_ids[d], dst, n, value) for d, dst, n, value in c]
+             for p, c in consts.items() if p in kinds}
+    direct = DirectLoad(model, dests, kinds, runs, report, fills)
     needs = direct.use_compact(plan)
     report.update(needs_bytes=needs.nbytes(), needs_digest=needs.digest[:16])
     return direct
@@ -318,13 +339,32 @@ def _runs_of_fills(recorder: CopyRecorder) -> tuple[dict[int, str], dict[int, Ru
     return bad, ran
 
 
-def _untiled(path: str, layer: torch.nn.Module, ran: dict[int, RunList]) -> str | None:
-    """Why the recorded runs do not fill each of the layer's loadable tensors exactly once."""
+ConstRuns = list[tuple[Dest, np.ndarray, int, Any]]  # (dest, its byte offsets, run, value)
+
+
+def _const_runs(recorder: CopyRecorder, bad_layers: dict[str, str]) -> dict[str, ConstRuns]:
+    """Each layer's one-value fills as byte runs; a fill too fine for runs makes it bad."""
+    out: dict[str, ConstRuns] = defaultdict(list)
+    for fill in recorder.const_fills:
+        runs = byte_runs(fill)
+        if runs is None:
+            bad_layers.setdefault(fill.dest.layer, f"{fill.dest.name} filled element by element")
+        else:
+            out[fill.dest.layer].append((fill.dest, runs[1], runs[2], fill.value))
+    return out
+
+
+def _untiled(path: str, layer: torch.nn.Module, ran: dict[int, RunList],
+             consts: ConstRuns) -> str | None:
+    """Why the recorded runs (received bytes, and the loaders' one-value fills) do not fill
+    each of the layer's loadable tensors exactly once."""
     by_name: dict[str, list] = defaultdict(list)
     for runs in ran.values():
         for fill, (_, dst, n) in runs:
             if fill.dest.layer == path:
                 by_name[fill.dest.name].append((dst, np.full(len(dst), n, dtype=np.int64)))
+    for dest, dst, n, _ in consts:
+        by_name[dest.name].append((dst, np.full(len(dst), n, dtype=np.int64)))
     for name, meta in model_format(layer).items():
         loadable = get_tensor_load_numel(meta) * meta.element_size()
         parts = by_name.get(name)

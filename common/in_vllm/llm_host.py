@@ -171,9 +171,9 @@ class LLMHost:
         """Stop vLLM's engine core and its workers (TP > 1: their processes) cleanly."""
         self.llm.llm_engine.engine_core.shutdown()
 
-    def read(self, names: list[str] | None) -> dict[str, torch.Tensor]:
-        """Worker 0's params (in this process: the worker lives here)."""
-        return self.llm.collective_rpc(_read_params, args=(names,))[0]
+    def read(self, names: list[str] | None, worker: int = 0) -> dict[str, torch.Tensor]:
+        """A worker's params (by its index in the engine: TP rank, for TP > 1)."""
+        return self.llm.collective_rpc(_read_params, args=(names,))[worker]
 
 
 def completion_dict(seq: Any) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 `CopyRecorder` is a torch dispatch mode held around the loads of one refit: it sees every
 `copy_` of received bytes into a model-format param or buffer the reload materialised (a
-`Fill`), and every other write into such a tensor or read of received bytes, which makes the
-tensors involved unmappable. `LoadMap.build` turns the fills into byte runs per bucket and
+`Fill`), each fill of one value into such a tensor (a `ConstFill`: padding the loader zeroes),
+and every other write into such a tensor or read of received bytes, which makes the tensors
+involved unmappable. `LoadMap.build` turns the fills into byte runs per bucket and
 accepts a destination only if its fills tile its loadable bytes exactly, so replaying the runs
 is the loaders' own copies (`BucketCopy`: one memcpy loop on CPU, one scatter launch on CUDA).
 Nothing here imports vLLM.
@@ -57,6 +58,30 @@ class Fill:
     itemsize: int
 
 
+@dataclass(frozen=True)
+class ConstFill:
+    """A loader's write of one value into part of `dest` (the zeros of a vocabulary's padding
+    rows): no received byte lands there, and a replay writes the value again."""
+
+    dest: Dest
+    dst_offset: int
+    dst_strides: tuple[int, ...]
+    sizes: tuple[int, ...]
+    itemsize: int
+    value: float | int | bool
+
+    @property
+    def src_offset(self) -> int:  # `byte_runs` walks the destination alone
+        return self.dst_offset
+
+    @property
+    def src_strides(self) -> tuple[int, ...]:
+        return self.dst_strides
+
+
+_CONST_WRITES = (torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default)
+
+
 class _Ranges:
     """Non-overlapping address intervals [start, end) with a value each."""
 
@@ -99,6 +124,7 @@ class CopyRecorder(TorchDispatchMode):
         super().__init__()
         self.layers = layers
         self.fills: list[Fill] = []
+        self.const_fills: list[ConstFill] = []
         self.bad_tensors: dict[int, str] = {}  # plan index -> why
         self.bad_dests: dict[Dest, str] = {}
         self.sources, self.dests = _Ranges(), _Ranges()
@@ -167,6 +193,9 @@ class CopyRecorder(TorchDispatchMode):
         if func is torch.ops.aten.copy_.default:
             self._copy(args[0], args[1])
             return
+        if func in _CONST_WRITES and args[0].numel():
+            self._const(func, args[0], args[1] if len(args) > 1 else 0)
+            return
         for schema, t in tensors:
             written = schema.alias_info is not None and schema.alias_info.is_write
             if written and (hit := self.dests.find(t.data_ptr())):
@@ -199,7 +228,20 @@ class CopyRecorder(TorchDispatchMode):
                                tuple(src.shape), src.itemsize))
 
 
-def byte_runs(fill: Fill) -> tuple[np.ndarray, np.ndarray, int] | None:
+    def _const(self, func: Any, dst: torch.Tensor, value: Any) -> None:
+        """A fill of one value: kept if it lands inside one param (a replay rewrites it)."""
+        d = self.dests.find(dst.data_ptr())
+        if d is None:
+            return
+        dest, dst_base, _ = d[2]
+        if isinstance(value, torch.Tensor) or dst.data_ptr() + _extent(dst) > d[1]:
+            self.bad_dests.setdefault(dest, f"written by {func}")
+            return
+        self.const_fills.append(ConstFill(dest, dst.data_ptr() - dst_base, tuple(dst.stride()),
+                                          tuple(dst.shape), dst.itemsize, value))
+
+
+def byte_runs(fill: Fill | ConstFill) -> tuple[np.ndarray, np.ndarray, int] | None:
     """(source offsets, destination offsets, run length) of `fill`'s contiguous byte runs;
     None if its innermost runs are shorter than `MIN_RUN_BYTES`."""
     dims = [(n, s, d) for n, s, d in zip(fill.sizes, fill.src_strides, fill.dst_strides,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -55,8 +57,7 @@ def test_the_docs_llm_block_takes_a_refit(tmp_path) -> None:
                                   str(port), str(out)], cwd=tmp_path, env=env, stdout=log,
                                  stderr=subprocess.STDOUT)
     try:
-        group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=2, num_trainers=1,
-                           timeout_s=240)
+        group = _join_watching(child, port, tmp_path / "engine.log")
         source = DictWeightSource(sent)
         sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), RefitConfig()))
         print(sender.refit(source, version=1).summary())
@@ -70,3 +71,24 @@ def test_the_docs_llm_block_takes_a_refit(tmp_path) -> None:
     assert len(compared) >= 3, sorted(engine["params"])
     for name in compared:
         assert torch.equal(engine["params"][name], sent[name]), name
+
+
+def _join_watching(child: subprocess.Popen, port: int, log) -> RefitGroup:
+    """Rank 0 of the refit group, failing at once (with the engine's log) if the engine's
+    process exits before it joins."""
+    joined: list = []
+
+    def join() -> None:
+        try:
+            joined.append(RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=2,
+                                     num_trainers=1, timeout_s=240))
+        except Exception as e:  # noqa: BLE001 - raised below
+            joined.append(e)
+
+    threading.Thread(target=join, daemon=True).start()
+    while not joined:
+        assert child.poll() is None, f"the engine exited: {log.read_text()[-3000:]}"
+        time.sleep(0.5)
+    if isinstance(joined[0], Exception):
+        raise joined[0]
+    return joined[0]

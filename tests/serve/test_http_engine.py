@@ -14,7 +14,15 @@ import requests
 
 from common.clients.engine_client import Completion, EngineError, PauseMode
 from common.clients.http_engine import TokenStream
-from tests.serve.conftest import LONG_PROMPT, PROMPTS, SHORT, TIMEOUT_S, Rig, timed
+from tests.serve.conftest import (
+    LONG_PROMPT,
+    MAX_MODEL_LEN,
+    PROMPTS,
+    SHORT,
+    TIMEOUT_S,
+    Rig,
+    timed,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +36,7 @@ class InFlight:
     old: str  # weight version before the refit
     version: int
     marks: dict  # perf_counter() times: "pause" (sent), "paused" (returned); token counts
+    tokens: int  # the request's max_tokens
 
 
 def _wait_until_running(rig: Rig, stream: TokenStream) -> None:
@@ -50,11 +59,13 @@ def _refit_in_flight(rig: Rig, mode: PauseMode, in_flight: Callable[[Completion]
     runs once the pause returned. On a loaded 2-core machine a
     whole request can reach the client in one late burst, after it ended on the server: not
     in flight at the pause. `in_flight`
-    tells from the result; such a try is repeated (3 tries), so a mode that never acts on a
-    request in flight still fails."""
+    tells from the result; such a try is repeated with a request twice as long (3 tries; the
+    speed measured at the start may have been a busier moment's), so a mode that never acts on
+    a request in flight still fails."""
+    tokens = rig.long_tokens
     for attempt in range(1, 4):
         old, version = rig.engine.weight_version(), rig.next_version()
-        stream = rig.engine.stream(LONG_PROMPT, rig.long_tokens, ignore_eos=True).start()
+        stream = rig.engine.stream(LONG_PROMPT, tokens, ignore_eos=True).start()
         _wait_until_running(rig, stream)
         marks = {"seen": len(stream.tokens), "pause": time.perf_counter()}
 
@@ -67,9 +78,10 @@ def _refit_in_flight(rig: Rig, mode: PauseMode, in_flight: Callable[[Completion]
             rig.refit(version, mode, paused)
         out = stream.result(TIMEOUT_S)
         if in_flight(out):
-            return InFlight(stream, out, old, version, marks)
+            return InFlight(stream, out, old, version, marks, tokens)
         print(f"[serve] {mode}, try {attempt}: the request had ended on the server before the "
-              f"pause ({out.finish_reason}, spans {out.weight_versions}); once more")
+              f"pause ({out.finish_reason}, spans {out.weight_versions}); once more, longer")
+        tokens = min(2 * tokens, MAX_MODEL_LEN - len(LONG_PROMPT) - 16)
     pytest.fail(f"pause mode {mode}: no try met the request in flight")
 
 
@@ -107,9 +119,9 @@ def test_pause_abort_ends_the_request_in_flight(rig: Rig) -> None:
     out, marks = run.out, run.marks
     print(f"[serve] abort: pause returned in {marks['paused'] - marks['pause']:.3f} s; the "
           f"request ended {run.stream.finished_at - marks['pause']:.3f} s after the pause was "
-          f"sent, {len(out.tokens)}/{rig.long_tokens} tokens, spans {out.weight_versions}")
+          f"sent, {len(out.tokens)}/{run.tokens} tokens, spans {out.weight_versions}")
     assert out.finish_reason == "abort"
-    assert len(out.tokens) < rig.long_tokens
+    assert len(out.tokens) < run.tokens
     assert all(span[0] == run.old for span in out.weight_versions), out.weight_versions
     (after,) = rig.engine.generate([PROMPTS[0]], SHORT)
     assert after.weight_versions == [(str(run.version), 0, SHORT)]
@@ -119,10 +131,10 @@ def test_pause_wait_drains_the_request_under_the_old_weights(rig: Rig) -> None:
     run = _refit_in_flight(rig, "wait", lambda out: True)
     out, marks, stream = run.out, run.marks, run.stream
     print(f"[serve] wait: pause returned after {marks['paused'] - marks['pause']:.2f} s "
-          f"({rig.long_tokens - marks['seen']} tokens not yet seen when it was sent); the "
+          f"({run.tokens - marks['seen']} tokens not yet seen when it was sent); the "
           f"request's last chunk came {stream.finished_at - marks['pause']:.2f} s after it")
-    assert out.finish_reason == "length" and len(out.tokens) == rig.long_tokens
-    assert out.weight_versions == [(run.old, 0, rig.long_tokens)]
+    assert out.finish_reason == "length" and len(out.tokens) == run.tokens
+    assert out.weight_versions == [(run.old, 0, run.tokens)]
     assert stream.finished_at <= marks["paused"] + 2.0  # over when the pause returned (+ lag)
     assert rig.engine.weight_version() == str(run.version)
 
@@ -147,9 +159,9 @@ def test_pause_keep_freezes_the_request_and_resumes_it_on_the_new_weights(rig: R
     print(f"[serve] keep: pause returned in {marks['paused'] - marks['pause']:.3f} s, frozen at "
           f"{k} tokens ({marks['frozen']} seen while paused); the request ended "
           f"{run.stream.finished_at - marks['pause']:.2f} s after the pause was sent")
-    assert marks["still"] == marks["frozen"] <= k < rig.long_tokens  # nothing while paused
-    assert out.finish_reason == "length" and len(out.tokens) == rig.long_tokens
-    assert out.weight_versions == [(run.old, 0, k), (new, k, rig.long_tokens)]
+    assert marks["still"] == marks["frozen"] <= k < run.tokens  # nothing while paused
+    assert out.finish_reason == "length" and len(out.tokens) == run.tokens
+    assert out.weight_versions == [(run.old, 0, k), (new, k, run.tokens)]
     # clear_cache=True: the frozen request was re-prefilled under the new weights, so what
     # followed the pause is what the new weights give on the prompt + the tokens before it
     # (computed afresh: a prefix-cache hit on the request's own blocks would prove nothing).
