@@ -11,9 +11,10 @@ import os
 import time
 
 from common.errors import NeedsRefusedError
-from common.in_vllm.apply import DirectLoad, learn
+from common.in_vllm.apply import DirectLoad
 from common.in_vllm.load_map import CopyRecorder
 from common.in_vllm.map_check import Kept, check_map, reload_kept
+from common.in_vllm.map_learn import learn
 from common.kernels import native
 
 log = logging.getLogger(__name__)
