@@ -150,6 +150,7 @@ def run(args, tag: str, batches: Batches, trainers: TrainerGroup, fleet: EngineF
         t0 = time.perf_counter()
         losses = trainers.call("train_step", [s["tokens"] for s in samples])
         train_s, t0 = time.perf_counter() - t0, time.perf_counter()
+        trainers.call("whereabouts")  # every rank answers before rank 0 pauses the engines
         stats = trainers.call("refit", step)  # rank 0 pauses, commits and resumes
         finite = [x for x in losses if x == x]  # ranks off the last pipeline stage say nan
         rows.append({"step": step, "loss": sum(finite) / len(finite), "wait_s": wait_s,
