@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
-import requests
 
-from common.clients.http_engine import HttpEngine
+from common.clients.serve import ServeConfig, VllmServer
 from common.wire.group import free_port
 from tests.docs_blocks import block
 
@@ -116,8 +112,10 @@ def test_a_fresh_venv_with_the_wheel_runs_the_readme_serve_command(wheel, tmp_pa
     assert where.returncode == 0 and all(Path(f).is_relative_to(site)
                                          for f in where.stdout.split()), where
     save_qwen3(None, tmp_path / "checkpoint")
-    with _readme_server(venv, tmp_path) as url:
-        state = HttpEngine(url, timeout_s=30).engine_state()
+    with _readme_server(venv, tmp_path) as server:
+        print(f"[install] the README's vllm serve ready in "
+              f"{time.monotonic() - server.started_at:.1f} s")
+        state = server.client().engine_state()
     assert state.phase == "complete" and state.version is None, state
 
 
@@ -127,37 +125,14 @@ def _fresh_env(venv: Path, **extra: str) -> dict[str, str]:
     return {**env, "PATH": f"{venv / 'bin'}:{env.get('PATH', '')}", **extra}
 
 
-@contextmanager
-def _readme_server(venv: Path, tmp_path: Path) -> Iterator[str]:
-    """The README's serve command as written (on this machine's free port, small limits),
-    run by bash from `tmp_path` with the venv's python; yields its URL once healthy."""
-    port = free_port("127.0.0.1")
+def _readme_server(venv: Path, tmp_path: Path) -> VllmServer:
+    """The README's serve command as written (this machine's free port, small limits), run by
+    bash from `tmp_path` with the venv's python."""
+    config = ServeConfig(model=str(tmp_path / "checkpoint"), port=free_port("127.0.0.1"),
+                         start_timeout_s=240, log_path=str(tmp_path / "serve.log"))
     command = block("run: serve-command").rstrip() + (
-        f" --host 127.0.0.1 --port {port} --skip-tokenizer-init --enforce-eager "
+        f" --host {config.host} --port {config.port} --skip-tokenizer-init --enforce-eager "
         f"--max-model-len 128 --max-num-seqs 4")
-    env = _fresh_env(venv, CHECKPOINT=str(tmp_path / "checkpoint"), OMP_NUM_THREADS="1",
+    env = _fresh_env(venv, CHECKPOINT=config.model, OMP_NUM_THREADS="1",
                      REFIT_DISABLE_CPU_AMX="1")
-    log = tmp_path / "serve.log"
-    t0 = time.perf_counter()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(["bash", "-c", command], cwd=tmp_path, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while not _healthy(url):
-            assert proc.poll() is None, f"the server exited: {log.read_text()[-3000:]}"
-            assert time.perf_counter() - t0 < 240, f"not ready: {log.read_text()[-3000:]}"
-            time.sleep(1)
-        print(f"[install] the README's vllm serve ready in {time.perf_counter() - t0:.1f} s")
-        yield url
-    finally:
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return requests.get(url + "/health", timeout=2).status_code == 200
-    except requests.RequestException:
-        return False
+    return VllmServer(config, command=["bash", "-c", command], env=env, cwd=tmp_path)

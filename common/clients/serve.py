@@ -129,14 +129,20 @@ def live_group_pids(pgid: int) -> list[int]:
 class VllmServer:
     """One `vllm serve` process group (module docstring); started at construction."""
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, command: list[str] | None = None,
+                 env: dict[str, str] | None = None, cwd: str | Path | None = None) -> None:
+        """`command`, `env`, `cwd`: a server command line of your own (e.g. a script that
+        starts `vllm serve` on `config.port`), run instead of `config.argv` in `env` (default
+        `config.env()`) from `cwd` (default this checkout); the config still gives the host,
+        port, timeouts and log."""
         self.config = config
         self.port = config.port or free_port(config.host)
         self.log_path = config.log_path or tempfile.mkstemp(prefix="vllm-serve-",
                                                             suffix=".log")[1]
         self.started_at = time.monotonic()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(config.argv(self.port), cwd=ROOT, env=config.env(),
+            self.proc = subprocess.Popen(command or config.argv(self.port), cwd=cwd or ROOT,
+                                         env=config.env() if env is None else env,
                                          stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         self.pgid = self.proc.pid  # a new session: its leader's pid is the group id
