@@ -17,7 +17,7 @@ from common.plan import Bucket, RefitPlan
 from common.shard.needs import Needs
 from common.shard.replan import Route
 from common.stats import RefitStats
-from common.transfer.apply_clock import ApplyClock
+from common.transfer.apply_device import ApplyDevice
 from common.transfer.endpoint import Endpoint
 from common.transfer.handshake import PlanCheck, agree_on_plan
 from common.wire import checksum
@@ -55,11 +55,8 @@ class RefitReceiver(Endpoint):
         self._scratch: list[torch.Tensor] = []
         self.applied: list[tuple[Bucket, Route, int]] = []  # this refit's frames handed over
         self.undo_refusal: str | None = NO_UNDO  # why the last failed refit cannot roll back
-        # Host staging: a group on the host whose worker applies on `apply_device` (a CUDA
-        # engine refit by CPU trainers over gloo): each frame is copied there, then loaded.
-        self.apply_device: torch.device | None = None
-        self._staged: torch.Tensor | None = None
-        self.clock = ApplyClock()  # the apply's device time on a GPU (`RefitStats.device_apply_s`)
+        # where the worker applies (host staging onto it), and the apply's device time there
+        self.apply = ApplyDevice()
 
     def keep_base_of(self, old: RefitReceiver | None) -> None:
         """Carry `old`'s base over (a new group for the same plan: the next refit can still
@@ -72,7 +69,7 @@ class RefitReceiver(Endpoint):
         """Whether `tensor` is a view into one of this receiver's reusable buffers."""
         ptr = tensor.untyped_storage().data_ptr()
         buffers = [*self.buffers, *(b for c in self.compact.values() for b in c.buffers),
-                   *([self._staged] if self._staged is not None else [])]
+                   *self.apply.buffers()]
         return any(ptr == b.untyped_storage().data_ptr() for b in buffers)
 
     def receive(self, on_bucket: BucketCallback, on_done: Callable[[], str | None] | None = None,
@@ -96,7 +93,7 @@ class RefitReceiver(Endpoint):
         stats = RefitStats(-1, len(self.plan.buckets), self.plan.total_bytes, role="receiver")
         t0 = time.perf_counter()
         self.applied, self._verify, self.undo_refusal = [], verify, None
-        self.clock.take()  # a roll-back's spans are not this refit's
+        self.apply.take()  # a roll-back's spans are not this refit's
         what = "refit" if version is None else f"refit v{version}"
         self.agree_on_needs(self.needs, what)
         stats.replan_s = time.perf_counter() - t0
@@ -273,8 +270,8 @@ class RefitReceiver(Endpoint):
         stats.buckets_loaded += 1  # also when it fails: it may have loaded a part
         error = None
         try:
-            payload = self._on_apply_device(payload, stats)
-            with self.clock.timing(payload.device, "load"):
+            payload = self.apply.stage(payload, stats)
+            with self.apply.timing(payload.device, "load"):
                 if route.gather is None:
                     on_bucket(self._unpack(bucket, payload))
                 elif on_compact is None:
@@ -324,20 +321,6 @@ class RefitReceiver(Endpoint):
             return unpack(target, self.plan.specs[bucket.start:bucket.stop], bucket.offsets)
         return self.layouts[bucket.index].unpack()
 
-    def _on_apply_device(self, payload: torch.Tensor, stats: RefitStats) -> torch.Tensor:
-        """Host staging: the frame's bytes in one reused buffer on the apply device (a copy
-        from pageable host memory: it returns once the bytes left the host buffer)."""
-        if self.apply_device is None or payload.device == self.apply_device:
-            return payload
-        t0 = time.perf_counter()
-        if self._staged is None or self._staged.numel() < payload.numel():
-            self._staged = torch.empty(payload.numel(), dtype=torch.uint8,
-                                       device=self.apply_device)
-        staged = self._staged[: payload.numel()]
-        staged.copy_(payload)
-        stats.stage_s += time.perf_counter() - t0
-        return staged
-
     def verify_bytes(self, bucket: Bucket, header: Header, payload: torch.Tensor,
                      expected: int, stats: RefitStats,
                      what: str = "arrived corrupted") -> RefitError | None:
@@ -364,7 +347,7 @@ class RefitReceiver(Endpoint):
         """`on_done()`, timed as loading; the refit's first error (its own, or this one)."""
         t1 = time.perf_counter()
         try:
-            with self.clock.timing(self.apply_device or self.group.device, "post"):
+            with self.apply.timing(self.apply.device or self.group.device, "post"):
                 stats.loaded_hash = on_done() or ""
         except Exception as e:  # noqa: BLE001 - reported to every rank
             if error is None:
@@ -373,6 +356,6 @@ class RefitReceiver(Endpoint):
                 error.__cause__ = e
         stats.post_s = time.perf_counter() - t1
         stats.load_s += stats.post_s
-        spans = self.clock.take()
+        spans = self.apply.take()
         stats.device_apply_s, stats.device_post_s = sum(spans.values()), spans.get("post", 0.0)
         return error
