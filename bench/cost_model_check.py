@@ -1,8 +1,8 @@
 """The cost model against measured refits it was not fitted on.
 
 Calibration: each machine's constants come from its run of the broadcast benchmark's synthetic
-lists (1 and 2 buffers): the sender's host seconds per tensor (its own `produce_s + pack_s` of
-the 20,000-tensor MoE refit), the pack's GB/s (`bench_pack`, same run), the wire's (one raw
+lists (1 and 2 buffers): the sender's host seconds per tensor and per bucket (its own
+`produce_s + pack_s` of the 2-buffer refits of both lists, `fit_host`), the pack's GB/s (`bench_pack`, same run), the wire's (one raw
 broadcast, same run), and with 1 buffer the hand-back per bucket (what the 1-buffer synthetic
 refits take over the simulation without it). Held out: every 3-buffer refit, the model-shaped
 lists (Qwen3-30B-A3B / Qwen3-8B names and shape mix, another run), their raw broadcasts, and a
@@ -15,7 +15,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from cost_model_core import Bucket, StageCosts, cut, simulate
+from cost_model_core import Bucket, StageCosts, cut, fit_host, simulate
 from cost_model_inputs import load, stamp
 from model_shapes import MODELS, qwen3_shapes, scaled
 
@@ -44,6 +44,7 @@ NOT_HELD_OUT = {"cpu_checksum_quick_models": "another VM (AMD EPYC, no synthetic
 class Machine:
     run: str
     host_s: float  # sender host seconds per tensor
+    bucket_s: float  # sender host seconds per bucket
     pack_Bps: float  # bytes packed per second (one way)
     wire_Bps: float  # 0: world size 1, the broadcast is a local no-op
     overlap: bool  # host and pack overlap (GPU) or not (CPU: the host copies)
@@ -74,7 +75,7 @@ def buckets_of(shapes, trainers: int, bucket_bytes: int) -> list[Bucket]:
 
 def costs(m: Machine, buckets: list[Bucket]) -> StageCosts:
     wire = [b.nbytes / m.wire_Bps if m.wire_Bps else 0.0 for b in buckets]
-    host = [b.tensors * m.host_s for b in buckets]
+    host = [b.tensors * m.host_s + m.bucket_s for b in buckets]
     device = [b.nbytes / m.pack_Bps for b in buckets]
     if not m.overlap:  # one thread does both: the pack is host work
         host, device = [h + d for h, d in zip(host, device, strict=True)], [0.0] * len(host)
@@ -90,18 +91,25 @@ def predict(m: Machine, shapes, method: str) -> float:
 
 def machine(run: str) -> Machine:
     r = load(run)
-    hw, moe = r["hardware"], r["shapes"]["moe"]
-    stats = [v["coalesced_2buf"] for k, v in moe["refit_stats"].items() if "trainer" in k]
+    hw = r["hardware"]
     gpu = bool(hw.get("gpu_name"))
-    per_trainer = moe["tensors"] / hw["num_trainers"]
-    host = max(s["produce_s"] + (s["pack_s"] if gpu else 0.0) for s in stats) / per_trainer
+    host_s, bucket_s = fit_host([_host_work(s, hw["num_trainers"], gpu)
+                                 for s in r["shapes"].values()])
     wire = 0.0
     if hw["world_size"] > 1:
         wire = statistics.mean(s["total_bytes"] / s["methods"]["raw"]["median_s"]
                                for s in r["shapes"].values())
-    m = Machine(run, host, r["pack_gbps"]["pack"] / 2 * 1e9, wire, gpu, hw["num_trainers"],
-                r["settings"]["bucket_bytes"])
+    m = Machine(run, host_s, bucket_s, r["pack_gbps"]["pack"] / 2 * 1e9, wire, gpu,
+                hw["num_trainers"], r["settings"]["bucket_bytes"])
     return _with_handback(m, r)
+
+
+def _host_work(shape: dict, trainers: int, gpu: bool) -> tuple[float, float, float]:
+    """(tensors, buckets, host seconds) of the slowest trainer's 2-buffer refit of a list (on
+    a GPU the pack's host side too: its device work overlaps)."""
+    stats = [v["coalesced_2buf"] for k, v in shape["refit_stats"].items() if "trainer" in k]
+    host = max(s["produce_s"] + (s["pack_s"] if gpu else 0.0) for s in stats)
+    return shape["tensors"] / trainers, stats[0]["num_buckets"] / trainers, host
 
 
 def _with_handback(m: Machine, report: dict) -> Machine:

@@ -1,7 +1,8 @@
 """The cost model's arithmetic: cut a tensor list into the broadcaster's buckets, then time a
 refit as a critical path through its stages with N rotating buffers.
 
-Per bucket, in plan order: its sender produces it (gather, per-tensor host work, pack: with 2+
+Per bucket, in plan order: its sender produces it (gather, host work per tensor and per bucket
+(`fit_host`), pack: with 2+
 buffers the host work of the next bucket overlaps the device pack of this one, so the slower
 sets the pace; with 1 buffer they run in turn and the sender waits for the buffer to come back,
 `handback_s`), the wire carries it (one collective at a time over the group), the receivers
@@ -69,6 +70,32 @@ def interleave(buckets: list[Bucket]) -> list[Bucket]:
         out += [q.pop() for q in turn]
         turn = [q for q in turn if q]
     return out
+
+
+def fit_host(lists: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(tensors, buckets, host seconds) of one sender's refit of each list -> its host seconds
+    per tensor and per bucket: the least-squares fit. Lists that cannot tell the two apart
+    (one list, or a negative solution) give it all to the tensors and none to the buckets."""
+    if len(lists) >= 2:
+        a = [[t, b] for t, b, _ in lists]
+        y = [h for _, _, h in lists]
+        per_tensor, per_bucket = _least_squares(a, y)
+        if per_tensor >= 0 and per_bucket >= 0:
+            return per_tensor, per_bucket
+    return sum(h for *_, h in lists) / sum(t for t, *_ in lists), 0.0
+
+
+def _least_squares(a: list[list[float]], y: list[float]) -> tuple[float, float]:
+    """The two unknowns x minimising |a x - y| (the normal equations, solved by hand)."""
+    s11 = sum(r[0] * r[0] for r in a)
+    s12 = sum(r[0] * r[1] for r in a)
+    s22 = sum(r[1] * r[1] for r in a)
+    t1 = sum(r[0] * v for r, v in zip(a, y, strict=True))
+    t2 = sum(r[1] * v for r, v in zip(a, y, strict=True))
+    det = s11 * s22 - s12 * s12
+    if det == 0:
+        return -1.0, -1.0
+    return (t1 * s22 - t2 * s12) / det, (s11 * t2 - s12 * t1) / det
 
 
 def _produce(costs: StageCosts, i: int, buffers: int, handback_s: float) -> float:

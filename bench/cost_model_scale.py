@@ -77,19 +77,31 @@ class Options:
     interleave: bool = False  # buckets in turn by sender, not in plan order (`interleave`)
 
 
+# The host's pace between lends: 2.2x per tensor between the calibration lend and another
+# lend's sweep (issue 37: one H200, same code). Best and expected are the lends measured here.
+LEND_SPREAD = 2.2
+
+
+def host_range(values: list[float]) -> tuple[float, float, float]:
+    mean = statistics.mean(values)
+    return min(values), mean, mean * LEND_SPREAD
+
+
 @cache
 def figures() -> dict[str, Figure]:
     """Every constant the at-scale model reads, measured (from bench/results/) or assumed."""
     lends = [machine(r) for r in ("gpu_h200x1", "gpu_h200x1_checksum_off")]
-    host = sorted(m.host_s for m in lends)
     mg = load("mcore_gather_h200")
     nv = [machine(r).wire_Bps / 1e9 for r in ("multi_gpu_nvidia-h200-x2_run1",
                                               "multi_gpu_nvidia-h200-x2_run2")]
     codec, shard = load("delta_codec_h200"), load("shard_cpu_quick")["summary"]
     out = {f.name: f for f in (
-        measured("host_s_per_tensor", "gpu_h200x1", (host[0], statistics.mean(host), host[-1]),
+        measured("host_s_per_tensor", "gpu_h200x1", host_range([m.host_s for m in lends]),
                  "s", "sender host work per tensor, the two 1 x H200 lends (also "
-                 "gpu_h200x1_checksum_off)"),
+                 f"gpu_h200x1_checksum_off); worst: {LEND_SPREAD}x their mean"),
+        measured("host_s_per_bucket", "gpu_h200x1", host_range([m.bucket_s for m in lends]),
+                 "s", "sender host work per bucket, the same lends (fitted on both synthetic "
+                 f"lists); worst: {LEND_SPREAD}x their mean"),
         measured("pack_Bps", "gpu_h200x1", same(lends[0].pack_Bps), "B/s", "as a refit packs"),
         measured("gather_Bps", "mcore_gather_h200",
                  (mg["dense"]["gather_gbps"] * 1e9, *same(mg["moe"]["gather_gbps"] * 1e9)[:2]),
@@ -191,7 +203,8 @@ def owners(model: str, t: Trainer) -> list[tuple[int, int, bool]]:
 def _rates(f: dict[str, Figure], links: Links, case: str) -> dict[str, float]:
     dev = 1.0 if links.gpu == "h200" else f["device_rate_h100"].pick(case)
     ib = links.nics_per_node * links.nic_Gbps / 8 * 1e9 * f["ib_efficiency"].pick(case)
-    return {"host": f["host_s_per_tensor"].pick(case), "pack": f["pack_Bps"].pick(case) * dev,
+    return {"host": f["host_s_per_tensor"].pick(case),
+            "bucket": f["host_s_per_bucket"].pick(case), "pack": f["pack_Bps"].pick(case) * dev,
             "gather": f["gather_Bps"].pick(case) * dev, "copy": f["copy_Bps"].pick(case) * dev,
             "apply": f["scatter_Bps"].pick(case) * dev / f["apply_over_scatter"].pick(case),
             "nvbus": min(f["nvlink_bus_GBps"].pick(case), links.nvlink_GBps) * 1e9, "ib": ib,
@@ -251,7 +264,7 @@ def timeline(model: str, t: Trainer, e: Engine, links: Links, o: Options,
     f = figures()
     r = _rates(f, links, case)
     bs = list(buckets(model, t, o.bucket_bytes, o.interleave))
-    costs = StageCosts([b.tensors * r["host"] for b in bs],
+    costs = StageCosts([b.tensors * r["host"] + r["bucket"] for b in bs],
                        [_producer(b, t, o, f, r, case) for b in bs],
                        [_wire(b, t, e, o, f, r, case) for b in bs],
                        [_apply(b, e, o, f, r, case) for b in bs])

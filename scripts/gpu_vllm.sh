@@ -3,9 +3,16 @@
 # unpacks them (and megatron-core, when .whl/mcore holds its wheel), then runs
 #   scripts/gpu_vllm.sh tests   the `-m gpu_vllm` tests: the engine tests beside the serve + recipe ones
 #   scripts/gpu_vllm.sh bench   bench/cuda_engine_bench.py alone (its figures want the machine to itself)
+#   scripts/gpu_vllm.sh sweep   the sender sweep and its calibration run (no vLLM: no chunks needed)
 # Logs and results go to $OUT (default: gpu_out/).
 set -uo pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
+if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by the broadcast bench
+  export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=1
+  python3 bench/broadcast_bench.py --out "$out/gpu_h200x1_sweep_cal.json" > "$out/cal.log" 2>&1
+  python3 bench/sender_sweep.py --out "$out/sender_sweep_h200.json" > "$out/sweep.log" 2>&1
+  rc=$?; tail -2 "$out/cal.log" "$out/sweep.log"; exit $rc
+fi
 bash .whl/site.sh
 for w in .whl/mcore/*.whl; do [ -e "$w" ] && python3 -m zipfile -e "$w" /tmp/site/; done
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=4

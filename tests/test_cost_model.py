@@ -12,8 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from cost_model import main, parse_layout  # noqa: E402
-from cost_model_check import CALIBRATION, HELD_OUT, machine  # noqa: E402
-from cost_model_core import Bucket, StageCosts, cut, interleave, simulate  # noqa: E402
+from cost_model_check import CALIBRATION, HELD_OUT, Machine, costs, machine  # noqa: E402
+from cost_model_core import Bucket, StageCosts, cut, fit_host, interleave, simulate  # noqa: E402
 from cost_model_inputs import RESULTS, load  # noqa: E402
 from cost_model_readme import FILES, TABLES, render  # noqa: E402
 from cost_model_scale import Engine, LayoutError, Links, Options, Trainer, figures, wire_fraction  # noqa: E402
@@ -57,6 +57,24 @@ def test_cost_model_interleave_takes_senders_in_turn_and_overlaps_their_work() -
     assert in_order.totals["sender"] == pytest.approx(7.0)  # the wire waiting on a sender
     assert in_turn.seconds == pytest.approx(10.0)
     assert in_turn.totals["sender"] == pytest.approx(2.0)  # only for the first bucket
+
+
+def test_cost_model_per_bucket_term_is_fitted_and_paid_per_bucket() -> None:
+    per_tensor, per_bucket = 3e-7, 8e-5
+    lists = [(t, b, t * per_tensor + b * per_bucket) for t, b in ((20_000, 30), (400, 50))]
+    assert fit_host(lists) == pytest.approx((per_tensor, per_bucket))
+    assert fit_host(lists[:1]) == pytest.approx((lists[0][2] / 20_000, 0.0))  # one list
+    # more host time for fewer buckets: no per-bucket cost can explain it, tensors take all
+    assert fit_host([(100, 10, 1.0), (100, 20, 0.5)]) == pytest.approx((1.5 / 200, 0.0))
+    # a host-bound sender (the wire free, the pack fast): every bucket pays its host cost
+    m = Machine("by hand", per_tensor, per_bucket, 1e18, 0.0, True, 1, 0)
+    for n in (1, 7, 40):
+        bs = [Bucket(0, 500, 1000)] * n
+        assert simulate(bs, costs(m, bs), 2).seconds == pytest.approx(
+            n * (500 * per_tensor + per_bucket))
+    # the lends on record show one: their synthetic lists are fitted with it
+    assert all(machine(run).bucket_s > 0 for run in CALIBRATION)
+    assert figures()["host_s_per_bucket"].expected > 0
 
 
 def test_cost_model_delta_wire_fraction_matches_the_codec() -> None:

@@ -11,10 +11,11 @@ Protocol (identical collective sequence on every rank, whatever fails, so nothin
            all-gather of needs digests (and a re-plan when they changed), and each bucket goes
            as one frame per need-set over the set's subgroup: whole to the full set, only the
            set's bytes to a compact set (`common.shard.frames`).
-The sender packs bucket k+1 while bucket k is on the wire (gloo works on its own thread; NCCL
-kernels run on the process group's stream while the pack runs on the compute stream). A buffer
-is reused only after the host has waited for its previous collective (with the timeout), so
-packing never overwrites bytes in flight and every wait can time out. On an error the sender
+The sender gathers bucket k+1 before waiting for its buffer and packs it while bucket k is on
+the wire (gloo works on its own thread; NCCL kernels run on the process group's stream while the
+pack runs on the compute stream). A buffer is reused only after the host has waited for its
+previous collective (with the timeout), so packing never overwrites bytes in flight and every
+wait can time out. On an error the sender
 keeps draining the weight source (its gathers stay in step on all training ranks) and sends
 ABORT headers instead of payloads; receivers stop loading at the first ABORT.
 """
@@ -123,9 +124,8 @@ class RefitSender(Endpoint):
         # the other training ranks (they reach the same state at their own next wait).
         dead: RefitCommError | None = None
         for bucket in plan.buckets:
-            for key in self._slots(bucket, routes[bucket.index]):
-                dead = dead or self._settle(pending.pop(key, []), stats)
-                held.pop(key, None)
+            # The bucket is taken (gathered, checked) before its buffer is waited for: that
+            # host work overlaps the collectives in flight, with 2 buffers as with 3.
             tensors: list = []
             ptrs = None
             if it is not None:
@@ -137,6 +137,9 @@ class RefitSender(Endpoint):
                 except Exception as e:  # noqa: BLE001 - the source is broken: stop iterating
                     error, it = error or e, None
                 stats.produce_s += time.perf_counter() - t1
+            for key in self._slots(bucket, routes[bucket.index]):
+                dead = dead or self._settle(pending.pop(key, []), stats)
+                held.pop(key, None)
             if dead is None:
                 error, dead = self._send_frames((bucket, version, tensors, ptrs),
                                                 routes[bucket.index], modes, table,
