@@ -27,6 +27,12 @@ class TensorMismatchError(RefitError):
     """A tensor handed to the sender disagrees with its spec (name, shape or dtype drifted)."""
 
 
+class FormatMismatchError(RefitError):
+    """The engine's checkpoint format and the trainers' tensors disagree (an FP8 weight the
+    trainers do not send, a tensor the engine holds in a format refit cannot produce, a scale
+    of the wrong shape); raised at setup on every rank, naming the tensor."""
+
+
 class RefitAborted(RefitError):
     """The refit did not land: a rank failed it, or the engines did not commit it (the message
     names who, and says when nothing of it was loaded)."""

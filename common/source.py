@@ -11,6 +11,21 @@ from common.dtype_policy import DtypePolicy
 from common.plan import RefitPlan, TensorSpec
 
 
+class RefusedTensor:
+    """What a weight source yields in place of a tensor it could not produce (an FP8 weight
+    with non-finite values, say): the sender's check turns it into this refit's error, naming
+    the tensor and `reason`, while the source keeps yielding the rest (its gathers stay in step
+    on every training rank)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"RefusedTensor({self.reason!r})"
+
+
 @runtime_checkable
 class WeightSource(Protocol):
     """Where the sender gets full, converted tensors from.

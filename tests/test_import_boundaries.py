@@ -24,14 +24,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ROOMS = ("kernels", "wire", "engine", "shard", "delta", "transfer", "in_vllm", "clients",
-         "launch")
-_BELOW_TRANSFER = {"kernels", "wire", "core", "shard", "delta", "transfer", "engine"}
+ROOMS = ("kernels", "wire", "engine", "shard", "delta", "transfer", "quant", "in_vllm",
+         "clients", "launch")
+_BELOW_TRANSFER = {"kernels", "wire", "core", "shard", "delta", "transfer", "engine", "quant"}
 # room -> the rooms it may import (besides `errors`, the leaf every room may import)
 ALLOWED = {"errors": set(), "kernels": set(), "wire": {"kernels"}, "engine": set(),
            "core": {"kernels", "wire"}, "shard": {"kernels", "wire", "core"},
            "delta": {"kernels", "wire", "core", "shard"},
-           "transfer": {"kernels", "wire", "core", "shard", "delta"},
+           "transfer": {"kernels", "wire", "core", "shard", "delta"}, "quant": {"core"},
            "in_vllm": _BELOW_TRANSFER, "clients": _BELOW_TRANSFER,
            "launch": _BELOW_TRANSFER | {"clients"}}
 TOP_FILES_MAX = 12  # .py files at the top of common/ (the core); the rest live in rooms

@@ -19,6 +19,7 @@ import torch
 from common.errors import RefitError, TensorMismatchError
 from common.kernels import native
 from common.plan import Bucket, RefitPlan, TensorSpec, dtype_name
+from common.source import RefusedTensor
 
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _NAME, _DTYPE, _SHAPE = attrgetter("name"), attrgetter("dtype"), attrgetter("shape")
@@ -30,6 +31,8 @@ def check_tensor(spec: TensorSpec, name: str, tensor: torch.Tensor | None) -> st
         return f"weight source yielded {name!r} where the plan expects {spec.name!r}"
     if tensor is None:
         return f"{spec.name!r}: no tensor on its source rank {spec.source_rank}"
+    if isinstance(tensor, RefusedTensor):
+        return f"{spec.name!r}: {tensor.reason}"
     if tuple(tensor.shape) != spec.shape:
         return f"{spec.name!r}: shape {list(tensor.shape)} but the plan says {list(spec.shape)}"
     if tensor.dtype != spec.dtype:

@@ -1,0 +1,173 @@
+"""FP8 in the plan: which weights an engine holds in block FP8, and a weight source that sends
+them so.
+
+An engine serving a block-FP8 checkpoint reads, once, which of its checkpoint's tensors are
+e4m3 (`Fp8Targets.from_checkpoint`: config.json's `quantization_config` and the safetensors
+headers, `common.checkpoint`: no weights read) and tells the trainers at setup. Every training
+rank then turns its plan's specs into the checkpoint's (`fp8_specs`: each target as its fp8
+weight followed by its `<name>_scale_inv`), and `Fp8Source` quantizes those tensors after they
+are gathered and converted. A disagreement is a `FormatMismatchError` naming the tensor, the
+same on every rank since every rank computes it from the same targets. No vllm import here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.checkpoint import checkpoint_tensors
+from common.errors import FormatMismatchError
+from common.plan import RefitPlan, TensorSpec
+from common.quant.fp8_blocks import BlockFp8Format, quantize
+from common.source import RefusedTensor, WeightSource
+
+SCALE_SUFFIX = "_scale_inv"
+_PLAIN = {"bfloat16", "float16", "float32"}  # sent as they are (the dtype policy decides which)
+
+
+def scale_name(name: str) -> str:
+    return name + SCALE_SUFFIX
+
+
+@dataclass(frozen=True)
+class Fp8Targets:
+    """The weights an engine holds in block FP8 (each with its `<name>_scale_inv`) and the
+    format; what the engine tells the trainers at setup."""
+
+    fmt: BlockFp8Format
+    names: frozenset[str]
+
+    def to_json(self) -> dict:
+        return {"block": list(self.fmt.block), "ue8m0": self.fmt.ue8m0,
+                "names": sorted(self.names)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Fp8Targets:
+        fmt = BlockFp8Format(block=tuple(data["block"]), ue8m0=bool(data["ue8m0"]))
+        return cls(fmt, frozenset(data["names"]))
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> Fp8Targets | None:
+        """The FP8 weights of the HF checkpoint in `path`; None when it is not quantized.
+        Raises `FormatMismatchError` for a tensor held in a format refit cannot produce
+        (another fp8 or integer dtype, per-tensor scales) or a scale of the wrong shape."""
+        path = Path(path)
+        config = json.loads((path / "config.json").read_text())
+        try:
+            fmt = BlockFp8Format.from_quantization_config(config.get("quantization_config"))
+        except ValueError as e:
+            raise FormatMismatchError(f"engine checkpoint {path}: {e}") from e
+        headers = {n: (dtype, list(shape))
+                   for n, (shape, dtype) in checkpoint_tensors(path).items()}
+        fp8 = {n for n, (dtype, _) in headers.items() if dtype == "float8_e4m3fn"}
+        if fmt is None:
+            if fp8:
+                raise FormatMismatchError(f"engine checkpoint {path}: {_some(fp8)} are fp8 "
+                                          "but config.json has no quantization_config")
+            return None
+        for name, (dtype, shape) in sorted(headers.items()):
+            _check_tensor(path, name, dtype, shape, headers, fp8, fmt)
+        return cls(fmt, frozenset(fp8))
+
+
+def _check_tensor(path: Path, name: str, dtype: str, shape: list[int], headers: dict,
+                  fp8: set[str], fmt: BlockFp8Format) -> None:
+    """One checkpoint tensor refit can produce: plain, an fp8 weight with its scale, or the
+    scale of one."""
+    where = f"engine checkpoint {path}: {name!r}"
+    if name in fp8:
+        if len(shape) != 2:
+            raise FormatMismatchError(f"{where} is fp8 with shape {shape}: block FP8 is 2-D")
+        scale = headers.get(scale_name(name))
+        want = list(fmt.scale_shape(tuple(shape)))
+        if scale is None or scale[0] != "float32" or scale[1] != want:
+            held = "missing" if scale is None else f"{scale[0]} {scale[1]}"
+            raise FormatMismatchError(f"{where} is fp8 {shape} but {scale_name(name)!r} is "
+                                      f"{held}; {fmt.describe()} needs it float32 {want}")
+    elif name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in fp8:
+        return
+    elif dtype not in _PLAIN or name.endswith(("_scale", "input_scale")):
+        raise FormatMismatchError(f"{where} is held as {dtype} {shape}: refit sends bf16, "
+                                  f"fp16, fp32 or {fmt.describe()} only")
+
+
+def _some(names) -> str:
+    names = sorted(names)
+    return ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3
+                                              else "")
+
+
+def fp8_specs(specs: list[TensorSpec], targets: Fp8Targets) -> list[TensorSpec]:
+    """The plan's specs as the engine's checkpoint holds them: each target as its fp8 weight
+    followed by its float32 scale_inv, every other spec as it is."""
+    have = {s.name: s for s in specs}
+    if missing := targets.names - have.keys():
+        raise FormatMismatchError(
+            f"the engine holds {_some(missing)} in FP8 ({targets.fmt.describe()}) but the "
+            f"trainers' plan has no such tensor ({len(missing)} of {len(targets.names)})")
+    if clash := {scale_name(n) for n in targets.names} & have.keys():
+        raise FormatMismatchError(f"the trainers' plan already has {_some(clash)}: scales of "
+                                  "FP8 weights are computed by refit, not sent by the source")
+    out = []
+    for s in specs:
+        if s.name not in targets.names:
+            out.append(s)
+            continue
+        if len(s.shape) != 2 or not s.dtype.is_floating_point or s.dtype.itemsize < 2:
+            raise FormatMismatchError(f"{s.describe()}: the engine holds it in FP8, which "
+                                      "refit quantizes from 2-D bf16, fp16 or fp32 only")
+        out += [TensorSpec(s.name, s.shape, targets.fmt.dtype, s.source_rank),
+                TensorSpec(scale_name(s.name), targets.fmt.scale_shape(s.shape),
+                           torch.float32, s.source_rank)]
+    return out
+
+
+class Fp8Source:
+    """`inner` with the engine's FP8 targets quantized after gathering and converting; its
+    plan specs are `fp8_specs` of the inner ones. A weight that cannot be quantized (NaN or
+    inf) is yielded as a `RefusedTensor`: the refit fails, naming it, and nothing stalls."""
+
+    def __init__(self, inner: WeightSource, targets: Fp8Targets) -> None:
+        self.inner, self.targets = inner, targets
+        self._inner_specs = {s.name: s for s in inner.plan_specs()}
+        self._inner_plans: dict[str, RefitPlan] = {}
+
+    def plan_specs(self) -> list[TensorSpec]:
+        return fp8_specs(list(self._inner_specs.values()), self.targets)
+
+    def iter_tensors(self, plan: RefitPlan) -> Iterator[tuple[str, torch.Tensor | None]]:
+        fmt, names = self.targets.fmt, self.targets.names
+        for name, tensor in self.inner.iter_tensors(self._inner_plan(plan)):
+            if name not in names:
+                yield name, tensor
+                continue
+            q = s = None
+            if tensor is not None:
+                try:
+                    q, s = quantize(name, tensor, fmt)
+                except ValueError as e:
+                    q = s = RefusedTensor(f"not quantized to FP8: {e}")
+            yield name, q
+            yield scale_name(name), s
+
+    def _inner_plan(self, plan: RefitPlan) -> RefitPlan:
+        """The plan the inner source iterates: `plan`'s order, without the scales, each
+        target in its trainer dtype (made once per plan)."""
+        if (known := self._inner_plans.get(plan.digest)) is not None:
+            return known
+        specs, it = [], iter(plan.specs)
+        for s in it:
+            if s.name not in self.targets.names:
+                specs.append(s)
+                continue
+            if (after := next(it, None)) is None or after.name != scale_name(s.name):
+                raise FormatMismatchError(
+                    f"{s.describe()}: the plan does not follow this FP8 weight with its "
+                    f"{SCALE_SUFFIX} (build it from Fp8Source.plan_specs())")
+            specs.append(self._inner_specs[s.name])
+        self._inner_plans[plan.digest] = RefitPlan.build(specs, plan.config)
+        return self._inner_plans[plan.digest]
