@@ -2,15 +2,18 @@
 
 Calibration: each machine's constants come from its run of the broadcast benchmark's synthetic
 lists (1 and 2 buffers): the sender's host seconds per tensor and per bucket (its own
-`produce_s + pack_s` of the 2-buffer refits of both lists, `fit_host`), the pack's GB/s (`bench_pack`, same run), the wire's (one raw
-broadcast, same run), and with 1 buffer the hand-back per bucket (what the 1-buffer synthetic
-refits take over the simulation without it). Held out: every 3-buffer refit, the model-shaped
-lists (Qwen3-30B-A3B / Qwen3-8B names and shape mix, another run), their raw broadcasts, and a
-run on another VM (AMD EPYC) predicted with the Intel VM's constants.
+`produce_s + pack_s` of the 2-buffer refits of both lists, `fit_host`), the pack's GB/s
+(`bench_pack`, same run), the wire's (one raw broadcast, same run), and with 1 buffer the
+hand-back per bucket (what the 1-buffer synthetic refits take over the simulation without it).
+Held out: every 3-buffer refit, the model-shaped lists (Qwen3-30B-A3B / Qwen3-8B names and
+shape mix, another run), their raw broadcasts, and the sender sweeps (`bench/sender_sweep.py`:
+other bucket sizes and buffer counts, the model-shaped list), each predicted from its
+machine's calibration run at one bucket size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
@@ -20,13 +23,15 @@ from cost_model_inputs import load, stamp
 from model_shapes import MODELS, qwen3_shapes, scaled
 
 BUF = {"coalesced_1buf": 1, "coalesced_2buf": 2, "coalesced_3buf": 3}
-CALIBRATION = ["cpu_quick", "gpu_h200x1", "gpu_h200x1_checksum_off",
+CALIBRATION = ["cpu_quick", "sweep_cal_cpu", "gpu_h200x1", "gpu_h200x1_checksum_off",
                "multi_gpu_nvidia-h200-x2_run1", "multi_gpu_nvidia-h200-x2_run2"]
 # held-out file -> the calibration run whose constants predict it
 HELD_OUT = {"gpu_h200x1": "gpu_h200x1", "gpu_h200x1_checksum_off": "gpu_h200x1_checksum_off",
             "multi_gpu_nvidia-h200-x2_run1": "multi_gpu_nvidia-h200-x2_run1",
             "multi_gpu_nvidia-h200-x2_run2": "multi_gpu_nvidia-h200-x2_run2",
             "gpu_h200x1_models": "gpu_h200x1", "cpu_quick_models": "cpu_quick"}
+# sender sweep file -> the calibration run (same machine, same session) that predicts it
+SWEEPS = {"sender_sweep_cpu": "sweep_cal_cpu"}
 # the noise the issue allows to be named: (file, list, method) -> why
 EXCEPTIONS = {("multi_gpu_nvidia-h200-x2_run1", "moe", "coalesced_3buf"):
               "the same run's 3-buffer refit took 1.35x its 2-buffer one (46.6 vs 34.5 ms) "
@@ -162,9 +167,35 @@ def cases() -> list[dict]:
     return out
 
 
+def sweep_cases() -> list[dict]:
+    """Every checksum-off case of each sender sweep but the calibration's own (its synthetic
+    list at its bucket size with 1 and 2 buffers), predicted from its calibration run."""
+    out = []
+    for file, cal in SWEEPS.items():
+        r, m = load(file), machine(cal)
+        for name, v in r["lists"].items():
+            if name == "moe":  # the synthetic list: equal tensors of the total's bytes
+                numel = v["total_bytes"] // 2 // v["tensors"]
+                shapes = [(f"moe.{i}", (numel,)) for i in range(v["tensors"])]
+            else:
+                shapes = scaled(qwen3_shapes(MODELS["moe"][1]), r["settings"]["scale"])
+            for case in (c for c in v["cases"] if not c["checksum"]):
+                size, nb = case["bucket_mib"] << 20, case["buffers"]
+                if name == "moe" and size == m.bucket_bytes and nb < 3:
+                    continue  # what calibrated the model
+                p = predict(dataclasses.replace(m, bucket_bytes=size), shapes,
+                            f"coalesced_{nb}buf")
+                t = case["median_s"]
+                out.append({"run": file, "stamp": stamp(file), "calibrated_on": cal,
+                            "list": name, "method": f"coalesced_{nb}buf @ {size >> 20} MiB",
+                            "measured_s": t, "predicted_s": round(p, 6),
+                            "error": round((p - t) / t, 3)})
+    return out
+
+
 def check() -> dict:
     """The --check summary (the CLI prints it as its last line)."""
-    rows = cases()
+    rows = cases() + sweep_cases()
     kept = [abs(r["error"]) for r in rows if "exception" not in r]
     return {"cases": len(rows), "max_abs_error": round(max(kept), 3),
             "within_25pct": sum(e <= 0.25 for e in kept),

@@ -29,8 +29,9 @@ from common.clients.engine_client import EngineClient, PauseMode
 from common.clients.fleet import EngineFleet
 from common.clients.http_engine import HttpEngine
 from common.config import RefitConfig
-from common.errors import RefitError
+from common.errors import FormatMismatchError, RefitError
 from common.plan import RefitPlan
+from common.quant.fp8_plan import Fp8Source, Fp8Targets
 from common.source import WeightSource
 from common.stats import RefitStats
 from common.transfer.sender import RefitSender
@@ -80,7 +81,9 @@ def connect(source: WeightSource, engines: Sequence[str | EngineClient], *,
     engines: `vllm serve` URLs or engine clients (read on rank 0 only; pass the same list
         everywhere). config: bucket size, buffers, timeouts (`RefitConfig.from_env()` if None).
     plan: the plan, if this rank built it already (`RefitPlan.build(source.plan_specs(),
-        config)`, the same on every rank); else built here.
+        config)`, the same on every rank); else built here. Engines serving a block-FP8
+        checkpoint say which weights they hold in FP8: every rank then sends those quantized
+        (`common.quant.fp8_plan.Fp8Source`; a passed plan must be built from its specs).
     pause: how in-flight requests fare during a refit (keep, wait, abort).
     process_group: every training rank (default: the world), rank 0 driving the engines.
     host: the address engines reach rank 0 at (default REFIT_HOST, else MASTER_ADDR, else
@@ -92,21 +95,23 @@ def connect(source: WeightSource, engines: Sequence[str | EngineClient], *,
                          "(run under torchrun, or init_process_group in each Ray actor first)")
     rank, trainers = dist.get_rank(process_group), dist.get_world_size(process_group)
     device = "cuda" if "nccl" in str(dist.get_backend(process_group)) else "cpu"
-    plan = plan or RefitPlan.build(source.plan_specs(), config or RefitConfig.from_env())
+    config = plan.config if plan is not None else config or RefitConfig.from_env()
     store, key = _Shared(timeout_s), f"refit/connect/{next(_CALLS)}"
-    fleet = joining = None
+    fleet = joining = formatted = None
     if rank == 0:
         store.wait_for_ranks(key, trainers)
         try:
             fleet = EngineFleet([e if isinstance(e, EngineClient) else
                                  HttpEngine(e, timeout_s=timeout_s) for e in engines])
+            fp8 = fleet.fp8_targets()
+            formatted = _in_format(source, plan, config, fp8)  # refused before any join
             port, world = free_port(), fleet.world_size(trainers)
             address = host or os.environ.get("REFIT_HOST") or os.environ.get("MASTER_ADDR",
                                                                              "127.0.0.1")
             joining = fleet.join_async(address, port, trainers, timeout_s=timeout_s,
                                        transport_device=None if device == "cuda" else "cpu")
             wire = {"host": address, "port": port, "world": world,
-                    "names": fleet.rank_names(trainers)}
+                    "names": fleet.rank_names(trainers), "fp8": fp8 and fp8.to_json()}
         except Exception as e:
             store.set(key, {"error": f"{type(e).__name__}: {e}"})
             store.wait_for_ranks(f"{key}/read", trainers, quiet=True)  # rank 0 hosts the store
@@ -116,15 +121,31 @@ def connect(source: WeightSource, engines: Sequence[str | EngineClient], *,
         store.arrive(key, rank)
         wire = store.get(key)
         store.arrive(f"{key}/read", rank)
+    if "error" in wire:
+        raise RefitError(f"{_SETUP_FAILED}: {wire['error']}")
+    source, plan = formatted or _in_format(
+        source, plan, config, wire["fp8"] and Fp8Targets.from_json(wire["fp8"]))
     return _build(source, plan, wire, rank, trainers, device, fleet, joining, pause, timeout_s)
+
+
+def _in_format(source: WeightSource, plan: RefitPlan | None, config: RefitConfig,
+               fp8: Fp8Targets | None) -> tuple[WeightSource, RefitPlan]:
+    """The source and plan in the engines' checkpoint format: FP8 targets quantized."""
+    if fp8 is None:
+        return source, plan or RefitPlan.build(source.plan_specs(), config)
+    source = Fp8Source(source, fp8)
+    specs = source.plan_specs()  # refuses a target the trainers cannot send, naming it
+    if plan is not None and list(plan.specs) != specs:
+        raise FormatMismatchError("refit.connect: the plan passed was not built for the "
+                                  "engines' FP8 checkpoint; build it from Fp8Source(source, "
+                                  "targets).plan_specs(), or pass none")
+    return source, plan or RefitPlan.build(specs, config)
 
 
 def _build(source: WeightSource, plan: RefitPlan, wire: dict, rank: int, trainers: int,
            device: str, fleet: EngineFleet | None, joining: Any, pause: PauseMode,
            timeout_s: float) -> RefitSession:
     """This rank's refit group, sender and (rank 0) the engines' join; torn down on failure."""
-    if "error" in wire:
-        raise RefitError(f"{_SETUP_FAILED}: {wire['error']}")
     names = {int(r): n for r, n in wire["names"].items()}
     group = RefitGroup(host=wire["host"], port=wire["port"], rank=rank, world_size=wire["world"],
                        num_trainers=trainers, timeout_s=timeout_s, device=device,

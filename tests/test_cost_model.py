@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from cost_model import main, parse_layout  # noqa: E402
-from cost_model_check import CALIBRATION, HELD_OUT, Machine, costs, machine  # noqa: E402
+from cost_model_check import CALIBRATION, HELD_OUT, SWEEPS, Machine, costs, machine  # noqa: E402
 from cost_model_core import Bucket, StageCosts, cut, fit_host, interleave, simulate  # noqa: E402
 from cost_model_inputs import RESULTS, load  # noqa: E402
 from cost_model_readme import FILES, TABLES, render  # noqa: E402
@@ -88,6 +88,8 @@ def test_cost_model_constants_are_in_the_results() -> None:
         assert (RESULTS / f"{run}.json").exists(), run
         m = machine(run)
         assert m.host_s > 0 and m.pack_Bps > 0 and m.handback_s >= 0
+    for sweep, calibration in SWEEPS.items():
+        assert load(sweep)["lists"] and calibration in CALIBRATION, sweep
     for f in figures().values():
         assert f.best > 0 and f.expected > 0 and f.worst > 0, f.name
         if f.measured:

@@ -39,6 +39,7 @@ from typing import Any, Literal, TypeVar
 
 from common.engine.state import RefitState
 from common.errors import NOTHING_LOADED, ROLLED_BACK, RefitError
+from common.quant.fp8_plan import Fp8Targets
 
 log = logging.getLogger(__name__)
 PauseMode = Literal["abort", "wait", "keep"]
@@ -119,6 +120,8 @@ class EngineClient(ABC):
     def _is_paused(self) -> bool: ...
     @abstractmethod
     def _set_version(self, version: str) -> None: ...
+    @abstractmethod
+    def _fp8_targets(self) -> dict[str, Any] | None: ...
 
     @abstractmethod
     def _generate(self, prompts: list[list[int]], max_tokens: int,
@@ -163,6 +166,12 @@ class EngineClient(ABC):
 
     def is_paused(self) -> bool:
         return self._do("reading whether it is paused", self._is_paused)
+
+    def fp8_targets(self) -> Fp8Targets | None:
+        """The weights this engine's checkpoint holds in block FP8 (the trainers quantize
+        them before sending), None when it serves an unquantized checkpoint."""
+        found = self._do("reading its checkpoint's FP8 weights", self._fp8_targets)
+        return None if found is None else Fp8Targets.from_json(found)
 
     def engine_state(self) -> RefitState:
         """The engine's own refit state, read from its workers now (`common.engine.state`)."""

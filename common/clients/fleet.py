@@ -13,7 +13,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from common.clients.engine_client import EngineClient, EngineError, JoinInfo, PauseMode
-from common.errors import RefitError
+from common.errors import FormatMismatchError, RefitError
+from common.quant.fp8_plan import Fp8Targets
 
 if TYPE_CHECKING:
     from common.wire.transport import Transport
@@ -43,6 +44,19 @@ class EngineFleet:
                 names[rank] = f"engine {engine.name}"
                 rank += 1
         return names
+
+    def fp8_targets(self) -> Fp8Targets | None:
+        """What every engine's checkpoint holds in block FP8 (`EngineClient.fp8_targets`):
+        one plan feeds them all, so engines that disagree are refused, naming them."""
+        found = {e.name: e.fp8_targets() for e in self.engines}
+        kinds = {t: [n for n, u in found.items() if u == t] for t in found.values()}
+        if len(kinds) > 1:
+            says = "; ".join(f"{', '.join(names)}: "
+                             f"{'unquantized' if t is None else f'{len(t.names)} FP8 weights'}"
+                             for t, names in kinds.items())
+            raise FormatMismatchError(f"the engines serve checkpoints of different formats "
+                                      f"({says}); one refit group feeds one format")
+        return next(iter(kinds), None)
 
     def join_async(self, host: str, port: int, num_trainers: int, timeout_s: float = 300.0,
                    group_name: str = "refit", transport_device: str | None = None,

@@ -164,6 +164,10 @@ class HttpEngine(EngineClient):
         return engine_state(self._json("POST", "/collective_rpc",
                                        json={"method": "refit_state"})["results"])
 
+    def _fp8_targets(self) -> dict | None:
+        return self._json("POST", "/collective_rpc",
+                          json={"method": "refit_fp8_targets"})["results"][0]
+
     # --- generation --------------------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], max_tokens: int, *,
                   data_parallel_rank: int | None = None, **sampling: Any) -> list[Completion]:

@@ -105,6 +105,9 @@ class HostedEngine(EngineClient):
     def _state(self) -> RefitState:
         return self._call("state")
 
+    def _fp8_targets(self) -> dict | None:
+        return self._call("fp8_targets")
+
     def _is_paused(self) -> bool:
         return self._call("is_paused")
 

@@ -47,6 +47,10 @@ class AsyncLLMHost:
     async def num_workers(self) -> int:
         return self.llm.vllm_config.parallel_config.world_size_across_dp
 
+    async def fp8_targets(self) -> dict | None:
+        """What the checkpoint holds in block FP8 (`RefitWorkerExtension.refit_fp8_targets`)."""
+        return (await self.llm.collective_rpc("refit_fp8_targets"))[0]
+
     async def pause(self, mode: str, clear_cache: bool) -> None:
         await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
 

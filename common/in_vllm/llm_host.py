@@ -94,6 +94,10 @@ class LLMHost:
     def num_workers(self) -> int:
         return self.llm.llm_engine.vllm_config.parallel_config.world_size_across_dp
 
+    def fp8_targets(self) -> dict | None:
+        """What the checkpoint holds in block FP8 (`RefitWorkerExtension.refit_fp8_targets`)."""
+        return self.llm.collective_rpc("refit_fp8_targets")[0]
+
     def pause(self, mode: str, clear_cache: bool) -> None:
         """An offline `LLM` has no request in flight between calls, so every mode pauses
         alike; vLLM refuses "wait" for an in-process engine core, so it pauses as "keep"."""

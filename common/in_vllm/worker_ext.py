@@ -23,3 +23,15 @@ class RefitWorkerExtension:
                                f"start the engine with weight_transfer_config "
                                f"{{'backend': 'refit'}}")
         return engine.state.as_dict()
+
+    def refit_fp8_targets(self) -> dict[str, Any] | None:
+        """The weights this engine's checkpoint holds in block FP8 and their format
+        (`common.quant.fp8_plan.Fp8Targets` as JSON), None for an unquantized checkpoint:
+        the trainers quantize those before sending (read from the checkpoint's headers)."""
+        from common.quant.fp8_plan import Fp8Targets
+
+        config = self.model_config
+        if config.quantization is None:
+            return None
+        targets = Fp8Targets.from_checkpoint(config.model)
+        return None if targets is None else targets.to_json()
