@@ -28,6 +28,7 @@ _ENV = {
     "delta": ("REFIT_DELTA", boolean),
     "undo_bytes": ("REFIT_UNDO_BYTES", int),
     "shadow": ("REFIT_SHADOW", str),
+    "interleave": ("REFIT_INTERLEAVE", boolean),
 }
 SHADOW_PLACES = ("device", "host")
 
@@ -70,6 +71,11 @@ class RefitConfig:
         the last complete version (`common.delta.store`); 0: no undo log (a failed refit
         leaves the engine refusing to serve until a refit lands). Workers keep a base when
         `delta` or `undo_bytes` asks for one.
+    interleave: the plan takes the buckets of its source ranks in turn (each rank's own order
+        kept) instead of in the order the specs are listed, so a rank gathers and packs its
+        next bucket while another rank's is on the wire (pipeline stages, expert owners: each
+        source holds a contiguous slice of the list); `common.plan.interleave`. Sources yield
+        in plan order, so any order works; what it gains at scale: docs/at-scale.md.
     shadow: where a trainer keeps its shadow: "device" (fastest) or "host" (pinned host memory,
         for memory-tight trainers; a copy to the device per frame). Local to each trainer.
     """
@@ -84,6 +90,7 @@ class RefitConfig:
     delta: bool = False
     undo_bytes: int = 0
     shadow: str = "device"
+    interleave: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> RefitConfigError:
@@ -107,7 +114,7 @@ class RefitConfig:
             raise bad("num_buffers", "more than 16 buffers only costs memory")
         if self.alignment < 1 or self.alignment & (self.alignment - 1) or self.alignment > 4096:
             raise bad("alignment", "must be a power of two between 1 and 4096")
-        for field in ("checksum", "shard_to_shard", "delta"):
+        for field in ("checksum", "shard_to_shard", "delta", "interleave"):
             if not isinstance(getattr(self, field), bool):
                 raise bad(field, "must be a bool")
         if not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:

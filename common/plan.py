@@ -138,6 +138,22 @@ def cut_buckets(specs: Sequence[TensorSpec], config: RefitConfig) -> list[Bucket
     return buckets
 
 
+def interleave(specs: Sequence[TensorSpec], config: RefitConfig) -> list[TensorSpec]:
+    """`specs` reordered so that their buckets (as `cut_buckets` cuts them) come one source
+    rank at a time in turn, each rank's buckets in their own order: the same buckets, cut
+    again the same way from the new order."""
+    queues: dict[int, list[Bucket]] = {}
+    for bucket in cut_buckets(specs, config):
+        queues.setdefault(bucket.source_rank, []).append(bucket)
+    turns, out = [q[::-1] for q in queues.values()], []
+    while turns:
+        for queue in turns:
+            bucket = queue.pop()
+            out += specs[bucket.start : bucket.stop]
+        turns = [q for q in turns if q]
+    return out
+
+
 @dataclass(frozen=True)
 class RefitPlan:
     """Everything both sides must agree on before the first byte moves."""
@@ -161,7 +177,10 @@ class RefitPlan:
 
     @classmethod
     def build(cls, specs: Iterable[TensorSpec], config: RefitConfig | None = None) -> RefitPlan:
-        return cls(tuple(specs), config or RefitConfig())
+        """The plan of `specs` in their order, or with `config.interleave` their buckets taken
+        by source rank in turn (`interleave`)."""
+        config, specs = config or RefitConfig(), tuple(specs)
+        return cls(tuple(interleave(specs, config)) if config.interleave else specs, config)
 
     @cached_property
     def total_bytes(self) -> int:

@@ -26,7 +26,8 @@ from tests.multiproc import expect_ok
 from tests.test_shard_core import CONFIG, TwoSources, bucket_image, needs_for
 
 TRAINERS, WORLD = 2, 4  # rank 2 takes whole frames, rank 3 half of every tensor (compact)
-FP8_CONFIG = dataclasses.replace(CONFIG, delta=True, undo_bytes=64 << 20)
+# interleaved: the trainers' buckets in turn, so the FP8 source's order is not the listed one
+FP8_CONFIG = dataclasses.replace(CONFIG, delta=True, undo_bytes=64 << 20, interleave=True)
 EXPERTS = 6
 QUANT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                 "weight_block_size": [128, 128]}
@@ -98,6 +99,7 @@ def fp8_rank(rank: int, world: int, port: int, targets: Fp8Targets, refs: dict) 
     if group.is_trainer:
         source = Fp8Source(TwoSources(bf16_weights(1)), targets)
         plan = RefitPlan.build(source.plan_specs(), FP8_CONFIG)
+        assert [s.name for s in plan.specs] != [s.name for s in source.plan_specs()]
         sender, out = RefitSender.setup(group, plan), {}
         for version in (1, 2, 3, 4):
             source.inner = TwoSources(bf16_weights(version, nan_in if version == 3 else None))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -64,6 +65,34 @@ def test_buckets_are_bounded_aligned_ordered_and_single_source(items, bucket_byt
             end = offset + spec.nbytes
         assert end == b.nbytes
     assert plan.buffer_bytes <= bucket_bytes
+
+
+@settings(max_examples=200, deadline=None)
+@given(spec_lists, st.sampled_from([1024, 2048, 5000]), st.sampled_from([1, 256]))
+def test_interleaved_plan_takes_each_sources_buckets_in_turn(items, bucket_bytes, alignment):
+    specs = [TensorSpec(f"t{i}", tuple(shape), dtype, src)
+             for i, (shape, dtype, src) in enumerate(items)]
+    config = RefitConfig(bucket_bytes=bucket_bytes, alignment=alignment, direct_bytes=3000)
+    listed = RefitPlan.build(specs, config)
+    turned = RefitPlan.build(specs, dataclasses.replace(config, interleave=True))
+
+    def by_source(plan):  # each source's tensors in plan order
+        out = {}
+        for s in plan.specs:
+            out.setdefault(s.source_rank, []).append(s.name)
+        return out
+
+    # each source's own order; its buckets as listed, or merged where they came to touch
+    assert by_source(turned) == by_source(listed)
+    assert len(turned.buckets) <= len(listed.buckets)
+    sources = [b.source_rank for b in turned.buckets]
+    ranks = list(dict.fromkeys(sources))
+    counts = {r: sources.count(r) for r in ranks}
+    for turn in range(max(counts.values(), default=0)):  # round robin while a source has any
+        expect = [r for r in ranks if counts[r] > turn]
+        start = sum(min(counts[r], turn) for r in ranks)
+        assert sources[start : start + len(expect)] == expect
+    assert RefitPlan.build(turned.specs, turned.config).specs == turned.specs  # idempotent
 
 
 def test_digest_is_stable_across_processes() -> None:

@@ -140,8 +140,17 @@ class Fp8Source:
         return fp8_specs(list(self._inner_specs.values()), self.targets)
 
     def iter_tensors(self, plan: RefitPlan) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Per plan spec in plan order: the inner source's tensor, a target quantized, or a
+        target's scale (kept from its weight, which comes first: each source's order holds
+        in any plan, interleaved too)."""
         fmt, names = self.targets.fmt, self.targets.names
-        for name, tensor in self.inner.iter_tensors(self._inner_plan(plan)):
+        inner = self.inner.iter_tensors(self._inner_plan(plan))
+        scales: dict[str, torch.Tensor | RefusedTensor | None] = {}
+        for spec in plan.specs:
+            if spec.name in scales:
+                yield spec.name, scales.pop(spec.name)
+                continue
+            name, tensor = next(inner)
             if name not in names:
                 yield name, tensor
                 continue
@@ -151,23 +160,23 @@ class Fp8Source:
                     q, s = quantize(name, tensor, fmt)
                 except ValueError as e:
                     q = s = RefusedTensor(f"not quantized to FP8: {e}")
+            scales[scale_name(name)] = s
             yield name, q
-            yield scale_name(name), s
 
     def _inner_plan(self, plan: RefitPlan) -> RefitPlan:
-        """The plan the inner source iterates: `plan`'s order, without the scales, each
-        target in its trainer dtype (made once per plan)."""
+        """The plan the inner source iterates: `plan`'s order without the scales, each target
+        in its trainer dtype (made once per plan). Refuses a plan where a scale comes before
+        its weight or is missing."""
         if (known := self._inner_plans.get(plan.digest)) is not None:
             return known
-        specs, it = [], iter(plan.specs)
-        for s in it:
-            if s.name not in self.targets.names:
-                specs.append(s)
-                continue
-            if (after := next(it, None)) is None or after.name != scale_name(s.name):
+        at = {s.name: i for i, s in enumerate(plan.specs)}
+        for name in self.targets.names:
+            if not at.get(name, len(at)) < at.get(scale_name(name), -1):
                 raise FormatMismatchError(
-                    f"{s.describe()}: the plan does not follow this FP8 weight with its "
-                    f"{SCALE_SUFFIX} (build it from Fp8Source.plan_specs())")
-            specs.append(self._inner_specs[s.name])
-        self._inner_plans[plan.digest] = RefitPlan.build(specs, plan.config)
+                    f"the plan does not send FP8 weight {name!r} before its {SCALE_SUFFIX} "
+                    f"(build it from Fp8Source.plan_specs())")
+        scales = {scale_name(n) for n in self.targets.names}
+        specs = [self._inner_specs[s.name] if s.name in self.targets.names else s
+                 for s in plan.specs if s.name not in scales]
+        self._inner_plans[plan.digest] = RefitPlan(tuple(specs), plan.config)  # as ordered
         return self._inner_plans[plan.digest]
