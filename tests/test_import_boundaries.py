@@ -31,7 +31,7 @@ _BELOW_TRANSFER = {"kernels", "wire", "core", "shard", "delta", "transfer", "eng
 ALLOWED = {"errors": set(), "kernels": set(), "wire": {"kernels"}, "engine": set(),
            "core": {"kernels", "wire"}, "shard": {"kernels", "wire", "core"},
            "delta": {"kernels", "wire", "core", "shard"},
-           "transfer": {"kernels", "wire", "core", "shard", "delta"}, "quant": {"core"},
+           "transfer": {"kernels", "wire", "core", "shard", "delta"}, "quant": {"core", "kernels"},
            "in_vllm": _BELOW_TRANSFER, "clients": _BELOW_TRANSFER,
            "launch": _BELOW_TRANSFER | {"clients"}}
 TOP_FILES_MAX = 12  # .py files at the top of common/ (the core); the rest live in rooms

@@ -5,9 +5,11 @@ A trainer quantizes its bf16 weights with `quantize` and sends the fp8 weight an
 them like its checkpoint. `quantize` reproduces vLLM's `per_block_cast_to_fp8` bit for bit (the
 same float operations in the same order) but works on bounded row chunks and splits off the
 partial last block row and column instead of zero-padding a copy of the whole tensor: zeros never
-raise a block's amax, and the clamp still applies to all-zero blocks. No vllm import here.
-vLLM runs that function through torch.compile: on CPU its generated code does these same
-operations; on CUDA, Triton's approximate fp32 division may differ from these eager ops.
+raise a block's amax, and the clamp still applies to all-zero blocks. CUDA tensors go through
+one Triton pass (`common.kernels.fp8_kernel`: the same operations as torch's on CUDA, where a
+division by a host scalar is a multiplication by its reciprocal). No vllm import here. vLLM
+wraps the reference in torch.compile: on CPU its generated code does these same operations; on
+CUDA, Triton's approximate fp32 division may differ from its eager ops.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from common.kernels import fp8_kernel
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -114,6 +118,19 @@ def quantize(name: str, x: torch.Tensor, fmt: BlockFp8Format, *,
         raise ValueError(f"{name}: block FP8 quantizes 2-D weights, got shape {tuple(x.shape)}")
     if x.dtype not in _INPUT_DTYPES:
         raise ValueError(f"{name}: block FP8 quantizes bf16, fp16 or fp32, got {x.dtype}")
+    if fp8_kernel.available(x, fmt.block):
+        q, s = fp8_kernel.quantize(x, fmt.block, fmt.ue8m0)
+    else:
+        q, s = _quantize_in_chunks(x, fmt, chunk_elems)
+    if not bool(torch.isfinite(s).all()):
+        step = max(1, chunk_elems // (fmt.block[0] * max(x.size(1), 1))) * fmt.block[0]
+        raise ValueError(f"{name}: {_nonfinite_summary(x, step)}; cannot quantize to FP8")
+    return q, s
+
+
+def _quantize_in_chunks(x: torch.Tensor, fmt: BlockFp8Format,
+                        chunk_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch ops of `quantize`, a bounded number of block rows at a time."""
     (m, n), (bm, bn) = x.shape, fmt.block
     q = torch.empty((m, n), dtype=fmt.dtype, device=x.device)
     s = torch.empty(fmt.scale_shape((m, n)), dtype=torch.float32, device=x.device)
@@ -127,8 +144,6 @@ def quantize(name: str, x: torch.Tensor, fmt: BlockFp8Format, *,
         for c0, c1, w in cols:
             _scale_region(x[r0:r1, c0:c1], q[r0:r1, c0:c1],
                           s[r0 // bm:-(-r1 // bm), c0 // bn:-(-c1 // bn)], h, w, fmt)
-    if not bool(torch.isfinite(s).all()):
-        raise ValueError(f"{name}: {_nonfinite_summary(x, step)}; cannot quantize to FP8")
     return q, s
 
 

@@ -1,0 +1,110 @@
+"""FP8 refit benchmark: the sender's quantize + pack of a refit against one copy of the bf16 bytes.
+
+A world-size-1 refit group (the wire is free: a broadcast is a local no-op), so a refit's time
+is the sender's own work: the weight source's tensors quantized to block FP8 where the engine's
+checkpoint holds them so (`common.quant.fp8_plan.Fp8Source`: every `*proj.weight`, as Qwen3-FP8
+and DeepSeek-V3 checkpoints quantize their linear layers), checked and packed into the
+buckets. Lists: the synthetic 20,000-tensor MoE list (each tensor 2-D) and the Qwen3-30B-A3B-
+shaped list (scale 0.5 on a GPU). The last line is one JSON object: `quantize_pack_over_copy`
+(the worse list: an FP8 refit over one device copy of the bf16 bytes; target <= 1.5),
+`wire_fraction_fp8` (the FP8 plan's bytes over the bf16 plan's), and per list the bf16 refit
+over the same copy.
+
+    python3 bench/fp8_bench.py --out bench/results/fp8_h200.json             # one GPU
+    OMP_NUM_THREADS=1 .venv/bin/python bench/fp8_bench.py --quick            # CPU, small
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from typing import Any
+
+import torch
+from bench_report import _hardware
+from broadcast_bench import DEFAULT_MODEL_SCALE, sync, timed
+from model_shapes import MODELS, Shapes, qwen3_shapes, scaled
+from provenance import bench_args, finish
+from sender_sweep import copy_seconds
+
+from common.config import RefitConfig
+from common.plan import RefitPlan
+from common.quant.fp8_blocks import BlockFp8Format
+from common.quant.fp8_plan import Fp8Source, Fp8Targets
+from common.source import DictWeightSource
+from common.transfer.sender import RefitSender
+from common.wire.group import RefitGroup, free_port
+
+SYNTHETIC = {"gpu": (20_000, (384, 512)), "cpu": (2_000, (128, 256))}
+
+
+def lists(args: argparse.Namespace) -> dict[str, Shapes]:
+    count, shape = SYNTHETIC[args.kind]
+    return {"moe": [(f"layers.{i}.mlp.experts.0.down_proj.weight", shape) for i in range(count)],
+            "qwen3_30b_a3b": scaled(qwen3_shapes(MODELS["moe"][1]), args.scale)}
+
+
+def refit_seconds(group: RefitGroup, source, config: RefitConfig,
+                  args: argparse.Namespace) -> tuple[float, int]:
+    """Median seconds of a refit of `source` (a world-size-1 group) and its plan's bytes."""
+    plan = RefitPlan.build(source.plan_specs(), config)
+    sender = RefitSender.setup(group, plan)
+    version = iter(range(1, 1 << 30))
+    times = timed(lambda: sender.refit(source, next(version)), args, group.device)
+    return statistics.median(times), plan.total_bytes
+
+
+def measure_list(group: RefitGroup, name: str, shapes: Shapes,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    device = group.device
+    g = torch.Generator(device=device).manual_seed(0)
+    tensors = {n: torch.randn(s, generator=g, device=device).bfloat16() for n, s in shapes}
+    bf16 = DictWeightSource(tensors)
+    targets = Fp8Targets(BlockFp8Format(), frozenset(n for n, s in shapes
+                                                       if n.endswith("proj.weight")
+                                                       and len(s) == 2))
+    config = RefitConfig(bucket_bytes=args.bucket_mib << 20, num_buffers=2, timeout_s=600)
+    copy_s = copy_seconds(sum(t.numel() * 2 for t in tensors.values()), args, device)
+    bf16_s, bf16_bytes = refit_seconds(group, bf16, config, args)
+    fp8_s, fp8_bytes = refit_seconds(group, Fp8Source(bf16, targets), config, args)
+    sync(device)
+    return {"tensors": len(shapes), "fp8_tensors": len(targets.names), "bf16_bytes": bf16_bytes,
+            "fp8_bytes": fp8_bytes, "copy_s": round(copy_s, 6), "bf16_refit_s": round(bf16_s, 6),
+            "fp8_refit_s": round(fp8_s, 6), "fp8_over_copy": round(fp8_s / copy_s, 3),
+            "bf16_over_copy": round(bf16_s / copy_s, 3),
+            "wire_fraction": round(fp8_bytes / bf16_bytes, 4)}
+
+
+def main() -> int:
+    args = bench_args(__doc__, "on the GPU (the default where CUDA is available)")
+    args.kind = "gpu" if torch.cuda.is_available() and not args.quick else "cpu"
+    args.scale = DEFAULT_MODEL_SCALE[args.kind]
+    args.warmup, args.reps = 1, 3 if args.quick else 5
+    args.bucket_mib = 256 if args.kind == "gpu" else 64
+    device = torch.device("cuda", 0) if args.kind == "gpu" else torch.device("cpu")
+    torch.set_num_threads(1 if args.kind == "cpu" else torch.get_num_threads())
+    group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
+                       num_trainers=1, timeout_s=600, device=device)
+    try:
+        report: dict[str, Any] = {name: measure_list(group, name, shapes, args)
+                                  for name, shapes in lists(args).items()}
+        args.device = device.type
+        report["hardware"] = _hardware(group, args)
+    finally:
+        group.destroy()
+    for name, r in ((n, v) for n, v in report.items() if n != "hardware"):
+        print(f"{name:14s} fp8 refit {r['fp8_refit_s'] * 1e3:9.2f} ms ({r['fp8_over_copy']:.2f}x "
+              f"copy), bf16 {r['bf16_refit_s'] * 1e3:9.2f} ms ({r['bf16_over_copy']:.2f}x), "
+              f"wire {r['wire_fraction']:.3f} of bf16")
+    runs = [v for k, v in report.items() if k != "hardware"]
+    summary = {"quantize_pack_over_copy": max(r["fp8_over_copy"] for r in runs),
+               "wire_fraction_fp8": max(r["wire_fraction"] for r in runs),
+               **{f"bf16_refit_over_copy_{k}": v["bf16_over_copy"]
+                  for k, v in report.items() if k != "hardware"}}
+    finish(report, summary, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Block-FP8 quantization in one CUDA pass (Triton): one program per (rows x cols) block reads
+it once, takes its amax, writes its e4m3 values and its float32 scale_inv.
+
+It reproduces what vLLM's `per_block_cast_to_fp8` computes with torch ops on CUDA, operation
+for operation: the amax clamped at 1e-4; the scale as amax times the float32 reciprocal of the
+e4m3 maximum (torch divides a CUDA tensor by a host scalar that way); optionally rounded up to
+a power of two (log2 and exp2 from libdevice, as CUDA's log2f / powf); the values multiplied by
+the scale's correctly rounded reciprocal and rounded to nearest into e4m3 (saturating).
+`common.quant.fp8_blocks.quantize` calls it for CUDA tensors and checks the scales after.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - machines without Triton use the torch ops
+    triton = None
+
+FP8_MAX = 448.0
+_INV_FP8_MAX = float(np.float32(1.0) / np.float32(FP8_MAX))  # rounded to float32, as CUDA's
+
+
+def available(x: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether the kernel serves `x` (a CUDA tensor) at `block` (powers of two, for tiles)."""
+    return (triton is not None and x.is_cuda and x.numel() > 0
+            and all(b & (b - 1) == 0 for b in block))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_blocks(x, q, s, m, n, stride_m, stride_n, blocks_n, inv_max,
+                         BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)[:, None]
+        cols = pid_n * BN + tl.arange(0, BN)[None, :]
+        mask = (rows < m) & (cols < n)
+        v = tl.load(x + rows * stride_m + cols * stride_n, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(v), axis=1), axis=0), 1e-4)
+        sf = amax * inv_max
+        if UE8M0:
+            sf = libdevice.exp2(tl.ceil(libdevice.log2(sf)))
+        nans = tl.sum(tl.sum((v != v).to(tl.int32), axis=1), axis=0)
+        sf = tl.where(nans > 0, float("nan"), sf)  # the caller refuses non-finite scales
+        inv = tl.math.div_rn(1.0, sf)
+        tl.store(q + rows * n + cols, (v * inv).to(tl.float8e4nv), mask=mask)
+        tl.store(s + pid_m * blocks_n + pid_n, sf)
+
+
+def quantize(x: torch.Tensor, block: tuple[int, int],
+             ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values of x's shape, float32 scale_inv per block) of the 2-D CUDA tensor `x`."""
+    (m, n), (bm, bn) = x.shape, block
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(grid, dtype=torch.float32, device=x.device)
+    with torch.cuda.device(x.device):
+        _quantize_blocks[grid](x, q, s, m, n, x.stride(0), x.stride(1), grid[1], _INV_FP8_MAX,
+                               BM=bm, BN=bn, UE8M0=ue8m0, num_warps=8)
+    return q, s

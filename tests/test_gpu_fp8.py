@@ -1,0 +1,64 @@
+"""The one-pass CUDA block-FP8 quantizer (`common.kernels.fp8_kernel`) against torch's own ops on
+the same device, which are what vLLM's `per_block_cast_to_fp8` runs eagerly (and against that
+function itself where vLLM is importable): bit for bit, odd shapes, zeros, extremes, strided
+inputs, UE8M0 scales, NaN refused (skipped on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.kernels import fp8_kernel
+from common.quant.fp8_blocks import BlockFp8Format, _quantize_in_chunks, quantize
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+SHAPES = [(128, 128), (256, 384), (1, 1), (1, 300), (300, 1), (129, 257), (1000, 130),
+          (4096, 7168)]
+
+
+def same(x: torch.Tensor, fmt: BlockFp8Format) -> None:
+    assert fp8_kernel.available(x, fmt.block)
+    q, s = quantize("w", x, fmt)
+    rq, rs = _quantize_in_chunks(x, fmt, 1 << 23)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(s.view(torch.int32), rs.view(torch.int32))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_cuda_kernel_equals_torch_on_cuda(shape, ue8m0, dtype) -> None:
+    g = torch.Generator(device="cuda").manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g, device="cuda") * 3).to(dtype)
+    same(x, BlockFp8Format(ue8m0=ue8m0))
+    same(x, BlockFp8Format((64, 32), ue8m0=ue8m0))
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_fp8_cuda_kernel_zeros_extremes_and_strides(ue8m0) -> None:
+    fmt = BlockFp8Format(ue8m0=ue8m0)
+    x = torch.randn(300, 300, device="cuda").bfloat16()
+    x[:128, :128] = 0  # an all-zero block: the clamped scale
+    x[128:256, :128] = torch.finfo(torch.bfloat16).max / 2
+    x[256:, 128:] *= 1e-30  # subnormal e4m3 values after scaling
+    same(x, fmt)
+    same(x.t(), fmt)  # strided: read through its strides
+    same(torch.zeros(5, 7, device="cuda", dtype=torch.bfloat16), fmt)
+
+
+def test_fp8_cuda_kernel_refuses_nan_naming_the_tensor() -> None:
+    x = torch.randn(300, 300, device="cuda").bfloat16()
+    x[200, 7] = float("nan")
+    with pytest.raises(ValueError, match=r"experts.3.w: 1 NaN and 0 inf .* first at \(200, 7\)"):
+        quantize("experts.3.w", x, BlockFp8Format())
+
+
+def test_fp8_cuda_kernel_equals_vllms_reference_where_importable() -> None:
+    deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
+    x = torch.randn(1000, 1030, device="cuda").bfloat16()
+    for ue8m0 in (False, True):
+        q, s = quantize("w", x, BlockFp8Format(ue8m0=ue8m0))
+        with torch.compiler.set_stance("force_eager"):
+            rq, rs = deep_gemm.per_block_cast_to_fp8(x, [128, 128], use_ue8m0=ue8m0)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+        assert torch.equal(s.view(torch.int32), rs.view(torch.int32))
