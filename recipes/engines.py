@@ -14,6 +14,7 @@ from common.clients.engine_client import EngineClient
 from common.clients.fleet import EngineFleet
 from common.config import RefitConfig
 from common.plan import RefitPlan
+from common.quant.fp8_plan import Fp8Source, Fp8Targets
 from common.source import DictWeightSource
 from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
@@ -78,7 +79,7 @@ class OneTrainer:
     fleet: EngineFleet
     group: RefitGroup
     sender: RefitSender
-    source: DictWeightSource
+    source: DictWeightSource | Fp8Source
 
     def refit(self, version: int, mode: str = "keep"):
         return self.fleet.refit(lambda: self.sender.refit(self.source, version), version, mode,
@@ -87,17 +88,19 @@ class OneTrainer:
 
 def join_one_trainer(engines: list, state: dict[str, torch.Tensor], timeout_s: float = 60.0,
                      bucket_bytes: int = 16 << 10, transport_device: str | None = None,
-                     **config: object) -> OneTrainer:
+                     fp8: Fp8Targets | None = None, **config: object) -> OneTrainer:
     """The engines join a fresh refit group; this process sends `state` in each refit;
     `timeout_s` bounds the join and each refit's waits; `transport_device` "cpu": CUDA
-    engines join over gloo (host staging); `config`: other `RefitConfig` fields."""
+    engines join over gloo (host staging); `fp8`: the engines' block-FP8 weights, quantized
+    before sending (`Fp8Source`; set `source.inner.tensors` for the next version);
+    `config`: other `RefitConfig` fields."""
     fleet, port = EngineFleet(engines), free_port()
     joining = fleet.join_async("127.0.0.1", port, 1, timeout_s=timeout_s,
                                transport_device=transport_device)
     group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=fleet.world_size(1),
                        num_trainers=1, timeout_s=timeout_s, device="cpu",
                        rank_names=fleet.rank_names(1))
-    source = DictWeightSource(state)
+    source = DictWeightSource(state) if fp8 is None else Fp8Source(DictWeightSource(state), fp8)
     plan = RefitPlan.build(source.plan_specs(), RefitConfig(
         bucket_bytes=bucket_bytes, timeout_s=timeout_s, **config))  # bounds each refit
     sender = RefitSender.setup(group, plan)

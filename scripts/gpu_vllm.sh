@@ -3,7 +3,7 @@
 # unpacks them (and megatron-core, when .whl/mcore holds its wheel), then runs
 #   scripts/gpu_vllm.sh tests   the `-m gpu_vllm` tests: the engine tests beside the serve + recipe ones
 #   scripts/gpu_vllm.sh bench   bench/cuda_engine_bench.py alone (its figures want the machine to itself)
-#   scripts/gpu_vllm.sh sweep   the sender sweep and its calibration run (no vLLM: no chunks needed)
+#   scripts/gpu_vllm.sh sweep   the sender sweep, its calibration run, the FP8 bench (no vLLM: no chunks)
 # Logs and results go to $OUT (default: gpu_out/).
 set -uo pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
@@ -11,7 +11,9 @@ if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by t
   export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=1
   python3 bench/broadcast_bench.py --out "$out/gpu_h200x1_sweep_cal.json" > "$out/cal.log" 2>&1
   python3 bench/sender_sweep.py --out "$out/sender_sweep_h200.json" > "$out/sweep.log" 2>&1
-  rc=$?; tail -2 "$out/cal.log" "$out/sweep.log"; exit $rc
+  rc=$?
+  python3 bench/fp8_bench.py --out "$out/fp8_h200.json" > "$out/fp8.log" 2>&1  # issue 38
+  tail -2 "$out/cal.log" "$out/sweep.log" "$out/fp8.log"; exit $(( rc || $? ))
 fi
 bash .whl/site.sh
 for w in .whl/mcore/*.whl; do [ -e "$w" ] && python3 -m zipfile -e "$w" /tmp/site/; done
@@ -20,11 +22,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 run() { python3 -m pytest -q -s -p no:cacheprovider -m gpu_vllm "$@"; }
 case "${1:-tests}" in
   tests)
-    run tests/gpu_vllm/test_cuda_engine.py > "$out/gpu_engine.log" 2>&1 & engine=$!
+    run tests/gpu_vllm/test_cuda_engine.py tests/gpu_vllm/test_cuda_fp8.py > "$out/gpu_engine.log" 2>&1 & engine=$!
     run tests/gpu_vllm/test_cuda_serve.py tests/gpu_vllm/test_cuda_recipes.py > "$out/gpu_serve.log" 2>&1
-    serve=$?; wait $engine; engine=$?
-    tail -3 "$out/gpu_engine.log" "$out/gpu_serve.log"
-    exit $(( serve || engine ));;
+    serve=$?
+    python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py > "$out/gpu_fp8_kernel.log" 2>&1
+    kernel=$?; wait $engine; engine=$?
+    tail -3 "$out/gpu_engine.log" "$out/gpu_serve.log" "$out/gpu_fp8_kernel.log"
+    exit $(( serve || engine || kernel ));;
   bench)
     python3 bench/cuda_engine_bench.py --out "$out/cuda_engine_h200.json" > "$out/bench.log" 2>&1
     rc=$?; tail -4 "$out/bench.log"; exit $rc;;
