@@ -176,6 +176,45 @@ CUDA_MODELS = {"moe": "MoE-like: Qwen3-30B-A3B's 48 layers x 128 experts, small 
                "dense": "dense: Qwen3-8B's layers (4 of 36) and vocabulary"}
 
 
+SWEEP_RUNS = ["sender_sweep_cpu"]
+FP8_RUNS = ["fp8_cpu_quick"]
+
+
+def sender_sweep() -> str:
+    """`bench/sender_sweep.py`: the sender's refit per bucket size and buffer count (checksums
+    off), in ms and over one copy of the list's bytes in the same run."""
+    rows = []
+    for run in SWEEP_RUNS:
+        report = _load(run)
+        for name, v in report["lists"].items():
+            by = {(c["bucket_mib"], c["buffers"]): c for c in v["cases"] if not c["checksum"]}
+            for mib in sorted({m for m, _ in by}):
+                cells = [f"{_ms(c['median_s'])} ({c['over_copy']:.2f}x)" if (c := by.get(
+                    (mib, nb))) else "-" for nb in (1, 2, 3)]
+                rows.append([f"`{run}`", _machine(report["hardware"]),
+                             f"{name}: {v['tensors']:,} tensors", str(mib), *cells])
+    return _table(["results file", "hardware", "list", "bucket MiB", "1 buffer ms (x copy)",
+                   "2 buffers", "3 buffers"], rows)
+
+
+def fp8() -> str:
+    """`bench/fp8_bench.py`: an FP8 refit (quantize + pack) against a bf16 one and one copy of
+    the bf16 bytes; world size 1, so the sender's own work."""
+    rows = []
+    for run in FP8_RUNS:
+        report = _load(run)
+        for name, r in report.items():
+            if not isinstance(r, dict) or "fp8_refit_s" not in r:
+                continue
+            rows.append([f"`{run}`", _machine(report["hardware"]),
+                         f"{name}: {r['tensors']:,} tensors ({r['fp8_tensors']:,} FP8)",
+                         f"{_ms(r['bf16_refit_s'])} ({r['bf16_over_copy']:.2f}x)",
+                         f"{_ms(r['fp8_refit_s'])} ({r['fp8_over_copy']:.2f}x)",
+                         f"{r['wire_fraction']:.3f}"])
+    return _table(["results file", "hardware", "list", "bf16 refit ms (x copy)",
+                   "FP8 refit ms (x copy)", "FP8 bytes / bf16"], rows)
+
+
 def _sig3(value: float) -> str:
     return f"{float(f'{value:.3g}'):,g}"  # three significant figures: 3,950 / 53.9
 
@@ -254,6 +293,7 @@ TABLES: dict[str, Callable[[], str]] = {"broadcast": broadcast, "receiver": rece
                                         "fault_soak": fault_soak, "mcore_gather": mcore_gather,
                                         "shard": shard, "delta": delta,
                                         "delta_models": delta_models,
+                                        "sender_sweep": sender_sweep, "fp8": fp8,
                                         "cuda_engine": cuda_engine, "headline": headline}
 
 
