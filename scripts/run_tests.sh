@@ -9,12 +9,16 @@ cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 DURATIONS=${DURATIONS:-10}
 # tests/serve/test_survives.py (two servers of its own) runs with everything else: balance
-REMOTE=(tests/serve/test_fsdp_recipe.py tests/serve/test_http_engine.py
+REMOTE=(tests/serve/test_fsdp_recipe.py
         tests/serve/test_serve_failures.py tests/serve/test_tp_replicas.py
         tests/serve/test_verdict.py tests/ray tests/mcore_vllm
         tests/dtensor_vllm/test_ray_engine.py)
+# Alone once both groups are done: a pause must meet a request in flight on the server, and
+# with both groups loading the 2 cores its stream and metrics reached the client only after
+# the request had ended (3 tries with doubling lengths, seen in 2 of 3 runs).
+QUIET=(tests/serve/test_http_engine.py)
 ignore=()
-for path in "${REMOTE[@]}"; do ignore+=(--ignore="$path"); done
+for path in "${REMOTE[@]}" "${QUIET[@]}"; do ignore+=(--ignore="$path"); done
 log=$(mktemp -t refit-tests-remote.XXXXXX)
 trap 'rm -f "$log"' EXIT
 "$PY" -m pytest -q -ra --durations="$DURATIONS" -p no:cacheprovider "${REMOTE[@]}" > "$log" 2>&1 &
@@ -25,6 +29,10 @@ wait "$remote"
 remote_rc=$?
 echo "=== engines over HTTP and Ray (${REMOTE[*]}) ==="
 cat "$log"
-echo "=== make test: ${SECONDS} s wall for both groups; rc $local_rc (everything else)," \
-     "$remote_rc (engines over HTTP and Ray) ==="
-[ "$local_rc" -eq 0 ] && [ "$remote_rc" -eq 0 ]
+both=$SECONDS
+echo "=== alone: ${QUIET[*]} ==="
+"$PY" -m pytest -q -ra --durations="$DURATIONS" -p no:cacheprovider "${QUIET[@]}"
+quiet_rc=$?
+echo "=== make test: ${SECONDS} s wall (both groups ${both} s); rc $local_rc (everything" \
+     "else), $remote_rc (engines over HTTP and Ray), $quiet_rc (alone) ==="
+[ "$local_rc" -eq 0 ] && [ "$remote_rc" -eq 0 ] && [ "$quiet_rc" -eq 0 ]

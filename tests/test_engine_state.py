@@ -53,6 +53,11 @@ def test_engine_state_combines_workers() -> None:
     assert engine_state([HELD.as_dict(), HELD.as_dict()]) == HELD
     disagree = engine_state([HELD.as_dict(), RefitState(version=5).as_dict()])
     assert disagree.phase == "mixed" and "disagree" in disagree.why
+    # a worker unseen (a data-parallel replica not asked) may hold other weights
+    short = engine_state([HELD.as_dict(), HELD.as_dict()], expected=4)
+    assert short.phase == "mixed" and "only 2 of its 4 workers" in short.why
+    assert short.refusal("serve") is not None
+    assert engine_state([HELD.as_dict()] * 4, expected=4) == HELD
     with pytest.raises(ValueError, match="no worker"):
         engine_state([])
     assert RefitState.from_dict({**HELD.as_dict(), "added_later": 1}) == HELD

@@ -160,9 +160,10 @@ class HttpEngine(EngineClient):
         return bool(self._json("GET", "/is_paused")["is_paused"])
 
     def _state(self) -> RefitState:
-        # the dev route of vLLM's own collective_rpc, answered by refit's worker extension
-        return engine_state(self._json("POST", "/collective_rpc",
-                                       json={"method": "refit_state"})["results"])
+        # the guard's route: every worker of every replica (vLLM's /collective_rpc answers
+        # for the first data-parallel replica only)
+        found = self._json("GET", "/refit_state")
+        return engine_state(found["workers"], found["expected"])
 
     def _fp8_targets(self) -> dict | None:
         return self._json("POST", "/collective_rpc",

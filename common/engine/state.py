@@ -91,12 +91,16 @@ class RefitState:
         return None
 
 
-def engine_state(workers: list[dict[str, Any]]) -> RefitState:
+def engine_state(workers: list[dict[str, Any]], expected: int | None = None) -> RefitState:
     """The engine's state from its workers' (they agree by construction: every verdict goes
-    to every worker); workers that disagree on their weights make it mixed."""
+    to every worker); workers that disagree on their weights make it mixed, and so does a
+    reply count other than `expected` (workers unseen may hold other weights)."""
     states = [RefitState.from_dict(w) for w in workers]
     if not states:
         raise ValueError("no worker reported a refit state (is the refit backend configured?)")
+    if expected is not None and len(states) != expected:
+        return RefitState(phase="mixed", why=f"only {len(states)} of its {expected} workers "
+                          f"reported their refit state")
     first = states[0]
     for phase in ("mixed", "refitting", "landed"):
         if any(s.phase == phase for s in states):

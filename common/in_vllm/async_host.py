@@ -16,6 +16,7 @@ from typing import Any
 from common.engine.config import EngineConfig
 from common.engine.state import RefitState, engine_state, resumes_after
 from common.in_vllm.llm_host import completion_dict, configure_process, refit_llm_args
+from common.in_vllm.replies import every_worker, expected_workers
 
 
 class AsyncLLMHost:
@@ -55,8 +56,10 @@ class AsyncLLMHost:
         await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
 
     async def state(self) -> RefitState:
-        """The engine's refit state, from its workers (`common.engine.state`)."""
-        return engine_state(await self.llm.collective_rpc("refit_state"))
+        """The engine's refit state, from every worker of every replica
+        (`common.engine.state`, `common.in_vllm.replies`)."""
+        return engine_state(await every_worker(self.llm, "refit_state"),
+                            expected_workers(self.llm))
 
     async def resume(self) -> None:
         """Refused while the engine holds mixed weights or a refit is unfinished."""

@@ -89,7 +89,7 @@ class LLMHost:
 
     def state(self) -> RefitState:
         """The engine's refit state, from its workers (`common.engine.state`)."""
-        return engine_state(self.llm.collective_rpc("refit_state"))
+        return engine_state(self.llm.collective_rpc("refit_state"), self.num_workers())
 
     def num_workers(self) -> int:
         return self.llm.llm_engine.vllm_config.parallel_config.world_size_across_dp

@@ -11,8 +11,10 @@ the API server, so it outlives every trainer:
 - a `POST /update_weights` whose refit every worker rolled back resumes the engine (if it is
   paused) before its answer goes out, unless REFIT_ROLLBACK_RESUME=0.
 
-The state is read from the workers (`collective_rpc("refit_state")`); a servable one is
-trusted for `TRUST_S` and forgotten whenever a weight-transfer route passes.
+The state is read from every worker of every data-parallel replica
+(`common.in_vllm.replies`); a servable one is trusted for `TRUST_S` and forgotten whenever a
+weight-transfer route passes. `GET /refit_state` answers every worker's state (the trainers'
+`HttpEngine` reads it: vLLM's `/collective_rpc` answers for the first replica only).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 from typing import Any
 
 from common.engine.state import RefitState, engine_state, resumes_after
+from common.in_vllm.replies import every_worker, expected_workers
 
 log = logging.getLogger(__name__)
 GENERATE_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
@@ -32,6 +35,7 @@ WEIGHT_ROUTES = frozenset({"/init_weight_transfer_engine", "/start_weight_update
                            "/update_weights", "/finish_weight_update",
                            "/shutdown_weight_transfer_engine"})
 TRUST_S = 1.0  # a servable state read this recently answers a generate without a new read
+STATE_ROUTE = "/refit_state"
 
 
 class RefitGuard:
@@ -43,6 +47,9 @@ class RefitGuard:
         self._lock = asyncio.Lock()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "GET" and \
+                scope["path"] == STATE_ROUTE:
+            return await self._answer_state(scope, send)
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         path = scope["path"]
@@ -66,8 +73,9 @@ class RefitGuard:
                     time.monotonic() - self._known[1] < TRUST_S:
                 return self._known[0]
             try:
-                replies = await scope["app"].state.engine_client.collective_rpc("refit_state")
-                state = engine_state(list(replies))
+                llm = scope["app"].state.engine_client
+                state = engine_state(await every_worker(llm, "refit_state"),
+                                     expected_workers(llm))
             except Exception as e:  # noqa: BLE001 - no state read: nothing is served
                 return RefitState(phase="mixed", why=f"its refit state could not be read "
                                   f"({type(e).__name__}: {e}); is the engine started with "
@@ -75,6 +83,17 @@ class RefitGuard:
                                   f"RefitWorkerExtension?")
             self._known = (state, time.monotonic()) if state.refusal("serve") is None else None
             return state
+
+    async def _answer_state(self, scope: dict, send: Any) -> None:
+        """GET /refit_state: {"workers": [every worker's state], "expected": their count}."""
+        llm = scope["app"].state.engine_client
+        try:
+            body = {"workers": await every_worker(llm, "refit_state"),
+                    "expected": expected_workers(llm)}
+            status = 200
+        except Exception as e:  # noqa: BLE001 - answered, named
+            body, status = {"error": {"message": f"{type(e).__name__}: {e}"}}, 500
+        await _send_json(send, status, body)
 
     async def _update(self, scope: dict, receive: Any, send: Any) -> None:
         """Run the refit; its answer waits until a rolled-back engine is resumed, so a
@@ -111,8 +130,12 @@ class RefitGuard:
 
 
 async def _refuse(send: Any, status: int, why: str) -> None:
-    body = json.dumps({"error": {"message": f"engine {why}", "type": "RefitStateError",
-                                 "code": status}}).encode()
+    await _send_json(send, status, {"error": {"message": f"engine {why}",
+                                              "type": "RefitStateError", "code": status}})
+
+
+async def _send_json(send: Any, status: int, data: dict) -> None:
+    body = json.dumps(data).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})

@@ -116,6 +116,7 @@ class BucketScan:
         self.device = (1 if device.type == "cuda" else 0,
                        device.index if device.type == "cuda" else -1)
         self.ptrs = torch.zeros(len(specs), dtype=torch.int64)
+        self.ptrs_view = self.ptrs.numpy()  # the same memory, made once
 
     def take(self, items: list) -> tuple[list[torch.Tensor] | None, np.ndarray | None]:
         """(the tensors when every name, dtype and shape is as planned, else None; their
@@ -126,7 +127,7 @@ class BucketScan:
                                              self.offsets, *self.device, self.ptrs)
         except (TypeError, RuntimeError):  # not a list, no storage, ...: Python decides
             return None, None
-        return tensors, self.ptrs.numpy() if code == -1 else None
+        return tensors, self.ptrs_view if code == -1 else None
 
 
 if __name__ == "__main__":

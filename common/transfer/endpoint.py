@@ -35,7 +35,11 @@ class Endpoint:
                         for _ in range(self.num_buffers)]
         self.headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8, device=dev)
                         for _ in range(self.num_buffers)]
-        # Each bucket always lands in the same buffer: its views are made once, here.
+        # Each bucket always lands in the same buffer: its views are made once, here (a view
+        # costs microseconds of host time, several per bucket per refit otherwise).
+        self._frames = {b.index: self.buffers[b.index % self.num_buffers][
+            : self.payload_start + b.nbytes] for b in plan.buckets}
+        self._payloads = {i: v[self.payload_start :] for i, v in self._frames.items()}
         self.layouts = {
             b.index: BucketLayout(self.bucket_buffer(b)[self.payload_start :],
                                   plan.bucket_specs(b), b.offsets)
@@ -80,14 +84,15 @@ class Endpoint:
         tensor when it is larger than a buffer (oversize)."""
         if bucket.oversize:
             return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.group.device)
-        return self.bucket_buffer(bucket)[self.payload_start :]
+        return self.payload(bucket)
 
     def bucket_buffer(self, bucket: Bucket) -> torch.Tensor:
-        return self.buffers[bucket.index % self.num_buffers][: self.payload_start + bucket.nbytes]
+        """A bucket's [header | payload] view of its buffer."""
+        return self._frames[bucket.index]
 
     def payload(self, bucket: Bucket) -> torch.Tensor:
         """A packed bucket's bytes in its buffer (after the header)."""
-        return self.bucket_buffer(bucket)[self.payload_start:]
+        return self._payloads[bucket.index]
 
     def wait_all(self, works: Sequence[tuple[object, str]], stats: RefitStats) -> None:
         t0 = time.perf_counter()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from common.delta.frames import DELTA, WHOLE, DeltaReceive, delta_modes, set_keys
@@ -219,6 +220,26 @@ class RefitReceiver(Endpoint):
     def first_name(self, bucket: Bucket) -> str:
         return self.plan.specs[bucket.start].name
 
+    def _first_differing(self, bucket: Bucket, route: Route, held: torch.Tensor,
+                         payload: torch.Tensor) -> str | None:
+        """What of a frame differs from `held` (its base): the first tensor of a whole frame,
+        "its compact frame" (a need-set's bytes), or None. A whole frame's alignment padding
+        is not compared: it holds whatever its buffer held before (another bucket's bytes)."""
+        if held.numel() != payload.numel():
+            return f"its {held.numel()}-byte base (a {payload.numel()}-byte frame)"
+        at = (held.to(payload.device) != payload).nonzero().flatten().cpu().numpy()
+        if not at.size:
+            return None
+        if route.gather is not None:
+            return f"its compact frame (need-set {route.set_index}, byte {int(at[0])})"
+        starts = np.asarray(bucket.offsets, dtype=np.int64)
+        ends = starts + [s.nbytes for s in self.plan.bucket_specs(bucket)]
+        slot = np.searchsorted(starts, at, side="right") - 1
+        inside = (slot >= 0) & (at < ends[np.maximum(slot, 0)])
+        if not inside.any():
+            return None
+        return repr(self.plan.specs[bucket.start + int(slot[inside][0])].name)
+
     def _check_header(self, bucket: Bucket, route: Route, header: Header, version: int | None,
                       stats: RefitStats, error: BaseException | None,
                       first: bool) -> BaseException | None:
@@ -255,10 +276,11 @@ class RefitReceiver(Endpoint):
             held = self.base.base(bucket.index)
             if not self._verify:
                 self.base.stage_whole(bucket.index, payload)
-            elif held is not None and not torch.equal(held.to(payload.device), payload):
+            elif held is not None and (name := self._first_differing(bucket, route, held,
+                                                                     payload)):
                 return RefitError(f"{self.group.label}: verify v{stats.version}: bucket "
-                                  f"{bucket.index} ({self.first_name(bucket)!r}..) differs "
-                                  f"from the bytes this worker holds; it was not loaded")
+                                  f"{bucket.index}: {name} differs from the bytes this "
+                                  f"worker holds; it was not loaded")
         self.applied.append((bucket, route, len(self.applied)))
         return self._load(bucket, route, payload, on_bucket, on_compact, stats)
 

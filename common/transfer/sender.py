@@ -23,9 +23,11 @@ ABORT headers instead of payloads; receivers stop loading at the first ABORT.
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from common.delta.frames import ShadowSender
@@ -45,7 +47,7 @@ from common.transfer.endpoint import Endpoint
 from common.transfer.handshake import agree_on_plan
 from common.transfer.receiver import RefitReceiver
 from common.wire import checksum
-from common.wire.bucket_header import HEADER_BYTES
+from common.wire.bucket_header import HEADER_BYTES, VERSION_SLICE
 from common.wire.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ class RefitSender(Endpoint):
         super().__init__(group, plan)
         self.checker = BucketChecker(plan, group.rank, group.device, group.label)
         self.shadows = ShadowSender(self) if plan.config.delta else None
+        self._headers: tuple[int, np.ndarray, dict] | None = None  # `header_table`'s
         for bucket in plan.buckets:  # the first refit then runs at the speed of the others
             if bucket.source_rank == group.rank and not bucket.direct:
                 self.layouts[bucket.index].warm()
@@ -81,14 +84,20 @@ class RefitSender(Endpoint):
                      routes: list[list[Route]]) -> tuple[torch.Tensor, dict[tuple, int]]:
         """Every frame's OK header for this refit, moved to the device in one copy (a copy per
         frame costs a synchronous host-to-device transfer each on CUDA), and each frame's row
-        by (bucket, need-set)."""
-        rows, raw = {}, []
-        for bucket, frames in zip(self.plan.buckets, routes, strict=True):
-            for route in frames:
-                rows[bucket.index, route.set_index] = len(raw)
-                raw.append(self.header(bucket, version, None, route).encode_bytes())
-        table = torch.frombuffer(bytearray(b"".join(raw)), dtype=torch.uint8)
-        return table.view(-1, HEADER_BYTES).to(self.group.device), rows
+        by (bucket, need-set). The headers are encoded once per re-plan; a refit only writes
+        its version into them."""
+        if self._headers is None or self._headers[0] != self.sharding.replans:
+            rows, raw = {}, []
+            for bucket, frames in zip(self.plan.buckets, routes, strict=True):
+                for route in frames:
+                    rows[bucket.index, route.set_index] = len(raw)
+                    raw.append(self.header(bucket, 0, None, route).encode_bytes())
+            table = np.frombuffer(b"".join(raw), dtype=np.uint8).reshape(-1, HEADER_BYTES)
+            self._headers = (self.sharding.replans, table, rows)
+        _, table, rows = self._headers
+        table = table.copy()
+        table[:, VERSION_SLICE] = np.frombuffer(struct.pack("<q", version), dtype=np.uint8)
+        return torch.from_numpy(table).to(self.group.device), rows
 
     def refit(self, source: WeightSource, version: int) -> RefitStats:
         """Send one complete set of weights, tagged `version`; returns this rank's stats.

@@ -27,6 +27,7 @@ STATUS_OK, STATUS_ABORT = 1, 2
 # payload bytes, rebuilt bytes' checksum, has checksum, checksum
 _FIXED = struct.Struct("<qqqqqq32sqqqQqQ")
 CHECKSUM_OFFSET = _FIXED.size - 8
+VERSION_SLICE = slice(32, 40)  # the version's bytes (<q after magic, status, bucket, count)
 MAX_MESSAGE = HEADER_BYTES - _FIXED.size
 
 

@@ -92,6 +92,7 @@ class RefitGroup(Transport):
                          name=name, rank_names=rank_names)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self._subgroups: list[object] = []  # backend groups of `subgroup`, aborted with ours
+        self._broadcast_options: dict[int, dist.BroadcastOptions] = {}
         try:
             self._pg = self._backend_group(self._data_store, rank, world_size)
         except Exception as e:  # noqa: BLE001 - rewrap with who/where
@@ -131,10 +132,10 @@ class RefitGroup(Transport):
                     pg.abort()
 
     def _broadcast(self, tensor: torch.Tensor, src: int, handle: object = None) -> dist.Work:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        opts.timeout = self._backend_timeout()
+        # one options object per root, made once: a collective's host time counts per bucket
+        if (opts := self._broadcast_options.get(src)) is None:
+            opts = self._broadcast_options[src] = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor, opts.timeout = src, 0, self._backend_timeout()
         return (handle or self._pg).broadcast([tensor], opts)
 
     def _backend_timeout(self) -> timedelta:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
+import requests
 
 from common.clients.fleet import EngineFleet
 from common.clients.serve import VllmServer
@@ -106,6 +107,10 @@ def test_shard_and_delta_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_en
         print(f"[serve] {stats.summary()}")
         assert sorted(stats.receivers) == [1, 2, 3, 4]  # every worker reported its times
         assert engine.weight_version() == "1"
+        # the guard reads every replica's workers (vLLM's /collective_rpc: the first one's)
+        found = requests.get(server.url + "/refit_state", timeout=TIMEOUT_S).json()
+        assert found["expected"] == len(found["workers"]) == TP * DP, found
+        assert {w["version"] for w in found["workers"]} == {1}, found
         for r in range(DP):
             got = _greedy(engine, r)
             assert got == want, f"replica {r} differs from a fresh TP2 engine"
