@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.kernels import fp8_kernel
-from common.quant.fp8_blocks import BlockFp8Format, _quantize_in_chunks, quantize
+from common.quant.fp8_blocks import BlockFp8Format, _quantize_in_chunks, quantize, quantize_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SHAPES = [(128, 128), (256, 384), (1, 1), (1, 300), (300, 1), (129, 257), (1000, 130),
@@ -44,6 +44,28 @@ def test_fp8_cuda_kernel_zeros_extremes_and_strides(ue8m0) -> None:
     same(x, fmt)
     same(x.t(), fmt)  # strided: read through its strides
     same(torch.zeros(5, 7, device="cuda", dtype=torch.bfloat16), fmt)
+
+
+def test_fp8_cuda_batch_one_launch_per_shape_equals_each_alone() -> None:
+    """An MoE bucket: many experts of two shapes, a strided one, an fp32 one, a 1-D one
+    (refused), one with a NaN (refused alone, its group's others quantized)."""
+    fmt = BlockFp8Format()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    xs = [torch.randn(s, generator=g, device="cuda").bfloat16()
+          for s in [(768, 2048)] * 6 + [(2048, 768)] * 5]
+    xs += [torch.randn(300, 260, device="cuda").bfloat16().t(), torch.randn(129, 257,
+                                                                           device="cuda")]
+    xs[3][5, 9] = float("nan")
+    named = [(f"experts.{i}.w", x) for i, x in enumerate(xs)] + [("norm", xs[0][0])]
+    out = quantize_batch(named, fmt)
+    for (name, x), got in zip(named, out, strict=True):
+        if name in ("experts.3.w", "norm"):
+            assert isinstance(got, str) and got.startswith(name), got
+            continue
+        rq, rs = _quantize_in_chunks(x, fmt, 1 << 23)
+        assert torch.equal(got[0].view(torch.uint8), rq.view(torch.uint8)), name
+        assert torch.equal(got[1].view(torch.int32), rs.view(torch.int32)), name
+    assert "1 NaN and 0 inf" in out[3] and "(5, 9)" in out[3]
 
 
 def test_fp8_cuda_kernel_refuses_nan_naming_the_tensor() -> None:

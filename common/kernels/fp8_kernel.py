@@ -1,5 +1,7 @@
 """Block-FP8 quantization in one CUDA pass (Triton): one program per (rows x cols) block reads
-it once, takes its amax, writes its e4m3 values and its float32 scale_inv.
+it once, takes its amax, writes its e4m3 values and its float32 scale_inv; one launch covers
+every tensor of one shape (their addresses in a table), so an MoE layer's experts cost one
+launch, not one each.
 
 It reproduces what vLLM's `per_block_cast_to_fp8` computes with torch ops on CUDA, operation
 for operation: the amax clamped at 1e-4; the scale as amax times the float32 reciprocal of the
@@ -32,11 +34,15 @@ def available(x: torch.Tensor, block: tuple[int, int]) -> bool:
 
 
 if triton is not None:
+    _IN = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
     @triton.jit
-    def _quantize_blocks(x, q, s, m, n, stride_m, stride_n, blocks_n, inv_max,
-                         BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    def _quantize_blocks(x_addrs, q, s, m, n, stride_m, stride_n, blocks_m, blocks_n, inv_max,
+                         IN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         UE8M0: tl.constexpr):
+        # program (t, i, j): block (i, j) of tensor t, read at its address in `x_addrs`
+        t, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        x = tl.load(x_addrs + t).to(tl.pointer_type(IN))
         rows = pid_m * BM + tl.arange(0, BM)[:, None]
         cols = pid_n * BN + tl.arange(0, BN)[None, :]
         mask = (rows < m) & (cols < n)
@@ -48,18 +54,30 @@ if triton is not None:
         nans = tl.sum(tl.sum((v != v).to(tl.int32), axis=1), axis=0)
         sf = tl.where(nans > 0, float("nan"), sf)  # the caller refuses non-finite scales
         inv = tl.math.div_rn(1.0, sf)
-        tl.store(q + rows * n + cols, (v * inv).to(tl.float8e4nv), mask=mask)
-        tl.store(s + pid_m * blocks_n + pid_n, sf)
+        t64 = t.to(tl.int64)
+        tl.store(q + t64 * m * n + rows * n + cols, (v * inv).to(tl.float8e4nv), mask=mask)
+        tl.store(s + (t64 * blocks_m + pid_m) * blocks_n + pid_n, sf)
+
+
+def quantize_many(xs: list[torch.Tensor], block: tuple[int, int],
+                  ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensors of one shape, dtype, strides and CUDA device in one launch: (e4m3 values
+    [len(xs), m, n], float32 scale_inv [len(xs), blocks_m, blocks_n]); item i holds xs[i]'s."""
+    x = xs[0]
+    (m, n), (bm, bn) = x.shape, block
+    blocks = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    q = torch.empty((len(xs), m, n), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((len(xs), *blocks), dtype=torch.float32, device=x.device)
+    addrs = torch.tensor([t.data_ptr() for t in xs], dtype=torch.int64).to(x.device)
+    with torch.cuda.device(x.device):
+        _quantize_blocks[(len(xs), *blocks)](
+            addrs, q, s, m, n, x.stride(0), x.stride(1), blocks[0], blocks[1], _INV_FP8_MAX,
+            IN=_IN[x.dtype], BM=bm, BN=bn, UE8M0=ue8m0, num_warps=8)
+    return q, s
 
 
 def quantize(x: torch.Tensor, block: tuple[int, int],
              ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values of x's shape, float32 scale_inv per block) of the 2-D CUDA tensor `x`."""
-    (m, n), (bm, bn) = x.shape, block
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(grid, dtype=torch.float32, device=x.device)
-    with torch.cuda.device(x.device):
-        _quantize_blocks[grid](x, q, s, m, n, x.stride(0), x.stride(1), grid[1], _INV_FP8_MAX,
-                               BM=bm, BN=bn, UE8M0=ue8m0, num_warps=8)
-    return q, s
+    q, s = quantize_many([x], block, ue8m0)
+    return q[0], s[0]

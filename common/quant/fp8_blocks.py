@@ -128,6 +128,32 @@ def quantize(name: str, x: torch.Tensor, fmt: BlockFp8Format, *,
     return q, s
 
 
+def quantize_batch(named: list[tuple[str, torch.Tensor]], fmt: BlockFp8Format,
+                   ) -> list[tuple[torch.Tensor, torch.Tensor] | str]:
+    """`quantize` of each (name, tensor), bit for bit the same, or why it cannot be (a
+    string naming the tensor). On CUDA the tensors of one shape, dtype and strides go in one
+    launch (`fp8_kernel.quantize_many`); elsewhere one by one."""
+    out: list = [None] * len(named)
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, x) in enumerate(named):
+        if x.dim() == 2 and x.dtype in _INPUT_DTYPES and fp8_kernel.available(x, fmt.block):
+            groups.setdefault((x.shape, x.dtype, x.stride(), x.device), []).append(i)
+    for idx in groups.values():
+        q, s = fp8_kernel.quantize_many([named[i][1] for i in idx], fmt.block, fmt.ue8m0)
+        finite = torch.isfinite(s).flatten(1).all(1).tolist()  # one sync per group
+        for k, i in enumerate(idx):
+            name, x = named[i]
+            out[i] = (q[k], s[k]) if finite[k] else (
+                f"{name}: {_nonfinite_summary(x, 1 << 16)}; cannot quantize to FP8")
+    for i, (name, x) in enumerate(named):
+        if out[i] is None:
+            try:
+                out[i] = quantize(name, x, fmt)
+            except ValueError as e:
+                out[i] = str(e)
+    return out
+
+
 def _quantize_in_chunks(x: torch.Tensor, fmt: BlockFp8Format,
                         chunk_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch ops of `quantize`, a bounded number of block rows at a time."""

@@ -22,7 +22,7 @@ import torch
 from common.checkpoint import checkpoint_tensors
 from common.errors import FormatMismatchError
 from common.plan import RefitPlan, TensorSpec
-from common.quant.fp8_blocks import BlockFp8Format, quantize
+from common.quant.fp8_blocks import BlockFp8Format, quantize_batch
 from common.source import RefusedTensor, WeightSource
 
 SCALE_SUFFIX = "_scale_inv"
@@ -134,6 +134,7 @@ class Fp8Source:
     def __init__(self, inner: WeightSource, targets: Fp8Targets) -> None:
         self.inner, self.targets = inner, targets
         self._inner_specs = {s.name: s for s in inner.plan_specs()}
+        self._scale_names = frozenset(scale_name(n) for n in targets.names)
         self._inner_plans: dict[str, RefitPlan] = {}
 
     def plan_specs(self) -> list[TensorSpec]:
@@ -141,27 +142,41 @@ class Fp8Source:
 
     def iter_tensors(self, plan: RefitPlan) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Per plan spec in plan order: the inner source's tensor, a target quantized, or a
-        target's scale (kept from its weight, which comes first: each source's order holds
-        in any plan, interleaved too)."""
-        fmt, names = self.targets.fmt, self.targets.names
+        target's scale (from its weight, which comes first: each source's order holds in any
+        plan, interleaved too). A bucket's targets are quantized together (`quantize_batch`:
+        one launch per shape on CUDA), so its inner tensors are alive together."""
         inner = self.inner.iter_tensors(self._inner_plan(plan))
         scales: dict[str, torch.Tensor | RefusedTensor | None] = {}
-        for spec in plan.specs:
-            if spec.name in scales:
-                yield spec.name, scales.pop(spec.name)
-                continue
-            name, tensor = next(inner)
-            if name not in names:
-                yield name, tensor
-                continue
-            q = s = None
-            if tensor is not None:
-                try:
-                    q, s = quantize(name, tensor, fmt)
-                except ValueError as e:
-                    q = s = RefusedTensor(f"not quantized to FP8: {e}")
-            scales[scale_name(name)] = s
-            yield name, q
+        for bucket in plan.buckets:
+            items: list[list] = []  # [name, tensor or None for a scale of this bucket]
+            for spec in plan.bucket_specs(bucket):
+                if spec.name in self._scale_names:
+                    items.append([spec.name, None])
+                    continue
+                items.append(list(next(inner)))
+            self._quantize(items, scales)
+            for item in items:
+                if item[1] is None and item[0] in scales:
+                    item[1] = scales.pop(item[0])
+                yield item[0], item[1]
+            del items
+
+    def _quantize(self, items: list[list], scales: dict) -> None:
+        """The bucket's targets (held on this rank) replaced by their e4m3 tensors, their
+        scales kept in `scales` (a target not held here: None for both)."""
+        names = self.targets.names
+        mine = [(k, item) for k, item in enumerate(items)
+                if item[0] in names and item[1] is not None]
+        done = quantize_batch([(item[0], item[1]) for _, item in mine], self.targets.fmt)
+        for (_, item), result in zip(mine, done, strict=True):
+            if isinstance(result, str):
+                item[1] = scales[scale_name(item[0])] = RefusedTensor(
+                    f"not quantized to FP8: {result}")
+            else:
+                item[1], scales[scale_name(item[0])] = result
+        for item in items:
+            if item[0] in names and item[1] is None:
+                scales[scale_name(item[0])] = None
 
     def _inner_plan(self, plan: RefitPlan) -> RefitPlan:
         """The plan the inner source iterates: `plan`'s order without the scales, each target
