@@ -6,7 +6,9 @@ here by feature (what the installed vLLM has), not by version checks spread over
   `get_tensor_load_numel` (no loader-declared padding: a tensor loads all its elements);
 - 0.26 has no weight versions: no `update_weight_version` / `get_weight_version`, and its
   `finish_weight_update()` takes no version (`HAS_WEIGHT_VERSIONS`: the hosts keep the
-  engine's version themselves); outputs carry no per-token `weight_versions`.
+  engine's version themselves); outputs carry no per-token `weight_versions`;
+- 0.26's engine-core client has no call that reaches every data-parallel replica
+  (`common.in_vllm.replies`, which `vllm serve`'s API server imports, handles that one).
 Only vLLM processes import this module.
 """
 
