@@ -156,17 +156,10 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], fmt: BlockFp8Format,
 
 def _quantize_in_chunks(x: torch.Tensor, fmt: BlockFp8Format,
                         chunk_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch ops of `quantize`, a bounded number of block rows at a time (a small tensor
-    with partial blocks: once, zero-padded like the reference, fewer ops than its regions)."""
+    """The torch ops of `quantize`, a bounded number of block rows at a time."""
     (m, n), (bm, bn) = x.shape, fmt.block
     q = torch.empty((m, n), dtype=fmt.dtype, device=x.device)
     s = torch.empty(fmt.scale_shape((m, n)), dtype=torch.float32, device=x.device)
-    if (m % bm or n % bn) and m * n and s.numel() * bm * bn <= chunk_elems:
-        padded = x.new_zeros((s.size(0) * bm, s.size(1) * bn))
-        padded[:m, :n] = x
-        whole = torch.empty(padded.shape, dtype=fmt.dtype, device=x.device)
-        _scale_region(padded, whole, s, bm, bn, fmt)
-        return q.copy_(whole[:m, :n]), s
     m_full, n_full = m - m % bm, n - n % bn
     step = max(1, chunk_elems // (bm * max(n, 1))) * bm
     rows = [(r, min(r + step, m_full), bm) for r in range(0, m_full, step)]
