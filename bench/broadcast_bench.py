@@ -228,13 +228,17 @@ def bench_pack(group: RefitGroup, shapes: Shapes, args: argparse.Namespace) -> d
     return {k: round(2 * total / statistics.median(v) / 1e9, 3) for k, v in out.items()}
 
 
-def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> dict[str, Any] | None:
+def rank_device(rank: int, args: argparse.Namespace) -> torch.device:
+    """This rank's device: its own GPU, or the CPU with one thread (2-core machines)."""
     if args.device == "cuda":
         torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        torch.set_num_threads(1)
-        device = torch.device("cpu")
+        return torch.device("cuda", rank)
+    torch.set_num_threads(1)
+    return torch.device("cpu")
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> dict[str, Any] | None:
+    device = rank_device(rank, args)
     trainers = args.trainers or (max(1, world // 2) if args.device == "cuda" else 2)
     if args.forward and rank < trainers:  # the training ranks' own group, as torchrun makes it
         dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.train_port}",

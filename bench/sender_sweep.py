@@ -30,6 +30,7 @@ from broadcast_bench import (
     SHAPES,
     make_specs,
     make_tensors,
+    rank_device,
     run_ranks,
     sync,
     time_refits,
@@ -91,12 +92,7 @@ def sweep_list(group: RefitGroup, name: str, shapes: Shapes,
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Any:
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        torch.set_num_threads(1)
-        device = torch.device("cpu")
+    device = rank_device(rank, args)
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
                        num_trainers=max(1, world - 1), timeout_s=args.timeout, device=device)
     try:
