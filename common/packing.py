@@ -181,6 +181,18 @@ class BucketLayout:
         return out
 
 
+def first_differing(specs: Sequence[TensorSpec], offsets: Sequence[int], a: torch.Tensor,
+                    b: torch.Tensor) -> int | None:
+    """The position of the first tensor of a packed payload (`specs` at `offsets`) whose bytes
+    differ between `a` and `b`, or None; the alignment padding between tensors is not
+    compared (it holds whatever the buffer held before: another bucket's bytes)."""
+    at = (a.to(b.device) != b).nonzero().flatten().cpu().numpy()
+    starts = np.asarray(offsets, dtype=np.int64)
+    slot = np.searchsorted(starts, at, side="right") - 1
+    inside = (slot >= 0) & (at < (starts + [s.nbytes for s in specs])[np.maximum(slot, 0)])
+    return int(slot[inside][0]) if inside.any() else None
+
+
 def pack(
     buffer: torch.Tensor,
     specs: Sequence[TensorSpec],

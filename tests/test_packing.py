@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.config import RefitConfig
-from common.packing import BucketLayout, pack, unpack
+from common.packing import BucketLayout, first_differing, pack, unpack
 from common.plan import RefitPlan, TensorSpec
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -88,3 +88,16 @@ def test_adjacent_slots_of_one_dtype(device: str) -> None:
     layout.pack(tensors)
     for (name, view), want in zip(layout.unpack(), tensors, strict=True):
         assert view.shape == want.shape and torch.equal(view, want), name
+
+
+def test_first_differing_tensor_skips_the_alignment_padding() -> None:
+    specs = [TensorSpec("a", (3,), torch.uint8), TensorSpec("b", (5,), torch.uint8)]
+    offsets = [0, 8]  # a: bytes 0-2, padding 3-7, b: bytes 8-12
+    base = torch.arange(13, dtype=torch.uint8)
+    other = base.clone()
+    other[5] += 1  # padding only
+    assert first_differing(specs, offsets, base, other) is None
+    other[12] += 1  # b's last byte
+    assert first_differing(specs, offsets, base, other) == 1
+    other[0] += 1
+    assert first_differing(specs, offsets, base, other) == 0

@@ -7,13 +7,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from common.delta.frames import DELTA, WHOLE, DeltaReceive, delta_modes, set_keys
 from common.delta.store import NO_BASE, FrameStore
 from common.errors import RefitAborted, RefitError
-from common.packing import unpack
+from common.packing import first_differing, unpack
 from common.plan import Bucket, RefitPlan
 from common.shard.needs import Needs
 from common.shard.replan import Route
@@ -222,23 +221,15 @@ class RefitReceiver(Endpoint):
 
     def _first_differing(self, bucket: Bucket, route: Route, held: torch.Tensor,
                          payload: torch.Tensor) -> str | None:
-        """What of a frame differs from `held` (its base): the first tensor of a whole frame,
-        "its compact frame" (a need-set's bytes), or None. A whole frame's alignment padding
-        is not compared: it holds whatever its buffer held before (another bucket's bytes)."""
+        """What of a frame differs from `held` (its base): the first tensor of a whole frame
+        (not its alignment padding: `first_differing`), "its compact frame", or None."""
         if held.numel() != payload.numel():
             return f"its {held.numel()}-byte base (a {payload.numel()}-byte frame)"
-        at = (held.to(payload.device) != payload).nonzero().flatten().cpu().numpy()
-        if not at.size:
-            return None
         if route.gather is not None:
-            return f"its compact frame (need-set {route.set_index}, byte {int(at[0])})"
-        starts = np.asarray(bucket.offsets, dtype=np.int64)
-        ends = starts + [s.nbytes for s in self.plan.bucket_specs(bucket)]
-        slot = np.searchsorted(starts, at, side="right") - 1
-        inside = (slot >= 0) & (at < ends[np.maximum(slot, 0)])
-        if not inside.any():
-            return None
-        return repr(self.plan.specs[bucket.start + int(slot[inside][0])].name)
+            return None if torch.equal(held.to(payload.device), payload) else \
+                f"its compact frame (need-set {route.set_index})"
+        at = first_differing(self.plan.bucket_specs(bucket), bucket.offsets, held, payload)
+        return None if at is None else repr(self.plan.specs[bucket.start + at].name)
 
     def _check_header(self, bucket: Bucket, route: Route, header: Header, version: int | None,
                       stats: RefitStats, error: BaseException | None,
