@@ -15,9 +15,9 @@ The sender gathers bucket k+1 before waiting for its buffer and packs it while b
 the wire (gloo works on its own thread; NCCL kernels run on the process group's stream while the
 pack runs on the compute stream). A buffer is reused only after the host has waited for its
 previous collective (with the timeout), so packing never overwrites bytes in flight and every
-wait can time out. On an error the sender
-keeps draining the weight source (its gathers stay in step on all training ranks) and sends
-ABORT headers instead of payloads; receivers stop loading at the first ABORT.
+wait can time out. On an error the sender keeps draining the weight source (its gathers stay in
+step on all training ranks) and sends ABORT headers instead of payloads; receivers stop loading
+at the first ABORT.
 """
 
 from __future__ import annotations
