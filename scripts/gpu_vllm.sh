@@ -12,6 +12,8 @@ if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by t
   python3 bench/broadcast_bench.py --out "$out/gpu_h200x1_sweep_cal.json" > "$out/cal.log" 2>&1
   python3 bench/sender_sweep.py --out "$out/sender_sweep_h200.json" > "$out/sweep.log" 2>&1
   rc=$?
+  REFIT_NCCL_SPIN_US=0 python3 bench/sender_sweep.py --checksum off --buffers 2,3 \
+    --out "$out/sender_sweep_h200_nospin.json" > "$out/sweep_nospin.log" 2>&1  # what spin gains
   python3 bench/sender_host_bench.py --device cuda --out "$out/sender_host_h200.json" \
     > "$out/sender_host.log" 2>&1; host=$?
   python3 bench/fp8_bench.py --out "$out/fp8_h200.json" > "$out/fp8.log" 2>&1; fp8=$?  # issue 38
