@@ -19,6 +19,7 @@ from tests.dtensor_vllm.helpers import (
     start_engine,
     wait_gone,
 )
+from tests.ray_start import init_ray
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+    init_ray(ray, address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield ray
     ray.shutdown()

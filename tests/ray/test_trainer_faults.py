@@ -17,6 +17,7 @@ import torch.distributed as dist
 from common.launch.ray_cluster import RayLayout, RayPlacement, TrainerActor, start_trainers
 from tests.dtensor.models import make_model
 from tests.dtensor_vllm.helpers import LLM_KWARGS, PROMPTS, KillingSource, wait_gone
+from tests.ray_start import init_ray
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S, REFIT_TIMEOUT_S, NOTICE_S = 60, 60, 5  # a death is noticed through the abort
@@ -54,7 +55,7 @@ def rig(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("ckpt") / "v0"
     make_model("qwen3", dtype=torch.bfloat16).save_pretrained(path)
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False,
+    init_ray(ray, address="local", num_cpus=3, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR"}})
     placement = RayPlacement(RayLayout(trainers=2, timeout_s=TIMEOUT_S))
     engine = None

@@ -20,6 +20,7 @@ import torch
 from common.launch.ray_cluster import RayLayout, RayPlacement
 from tests.dtensor.models import make_model
 from tests.ray.test_multinode import TIMEOUT_S, refit_job
+from tests.ray_start import init_ray
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ def loopback_ray(tmp_path_factory):
         patch.setenv(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, "0")
         patch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
         try:
-            ray.init(_node_ip_address="127.0.0.1", num_cpus=3, include_dashboard=False,
+            init_ray(ray, _node_ip_address="127.0.0.1", num_cpus=3, include_dashboard=False,
                      runtime_env={"env_vars": env}, log_to_driver=False,
                      _temp_dir=str(tmp_path_factory.mktemp("ray")))
             yield ray
