@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine, after the CUDA vLLM chunks were carried (../shared/tools/cuda_vllm/prepare.sh):
 # unpacks them (and megatron-core, when .whl/mcore holds its wheel), then runs
-#   scripts/gpu_vllm.sh tests   the `-m gpu_vllm` tests: the engine tests beside the serve + recipe ones
+#   scripts/gpu_vllm.sh tests   the `-m gpu_vllm` engine tests (FP8 too) beside the serve ones, then
+#                               the CUDA FP8 quantizer's tests
+#   scripts/gpu_vllm.sh recipes the FSDP2 and Megatron recipes against a CUDA `vllm serve`
 #   scripts/gpu_vllm.sh bench   bench/cuda_engine_bench.py alone (its figures want the machine to itself)
 #   scripts/gpu_vllm.sh sweep   the sender sweep, its calibration run, the FP8 bench (no vLLM: no chunks)
 # Logs and results go to $OUT (default: gpu_out/).
@@ -28,12 +30,15 @@ run() { python3 -m pytest -q -s -p no:cacheprovider -m gpu_vllm "$@"; }
 case "${1:-tests}" in
   tests)
     run tests/gpu_vllm/test_cuda_engine.py tests/gpu_vllm/test_cuda_fp8.py > "$out/gpu_engine.log" 2>&1 & engine=$!
-    run tests/gpu_vllm/test_cuda_serve.py tests/gpu_vllm/test_cuda_recipes.py > "$out/gpu_serve.log" 2>&1
+    run tests/gpu_vllm/test_cuda_serve.py > "$out/gpu_serve.log" 2>&1
     serve=$?
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py > "$out/gpu_fp8_kernel.log" 2>&1
     kernel=$?; wait $engine; engine=$?
     tail -3 "$out/gpu_engine.log" "$out/gpu_serve.log" "$out/gpu_fp8_kernel.log"
     exit $(( serve || engine || kernel ));;
+  recipes)
+    run tests/gpu_vllm/test_cuda_recipes.py > "$out/gpu_recipes.log" 2>&1
+    rc=$?; tail -3 "$out/gpu_recipes.log"; exit $rc;;
   bench)
     python3 bench/cuda_engine_bench.py --out "$out/cuda_engine_h200.json" > "$out/bench.log" 2>&1
     rc=$?; tail -4 "$out/bench.log"; exit $rc;;
