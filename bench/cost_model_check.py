@@ -31,7 +31,8 @@ HELD_OUT = {"gpu_h200x1": "gpu_h200x1", "gpu_h200x1_checksum_off": "gpu_h200x1_c
             "multi_gpu_nvidia-h200-x2_run2": "multi_gpu_nvidia-h200-x2_run2",
             "gpu_h200x1_models": "gpu_h200x1", "cpu_quick_models": "cpu_quick"}
 # sender sweep file -> the calibration run (same machine, same session) that predicts it
-SWEEPS = {"sender_sweep_cpu": "sweep_cal_cpu"}
+SWEEPS = {"sender_sweep_cpu": "sweep_cal_cpu", "sender_sweep_h200": "gpu_h200x1_sweep_cal",
+          "sender_sweep_h200_nospin": "gpu_h200x1_sweep_cal"}
 # the noise the issue allows to be named: (file, list, method) -> why
 EXCEPTIONS = {("multi_gpu_nvidia-h200-x2_run1", "moe", "coalesced_3buf"):
               "the same run's 3-buffer refit took 1.35x its 2-buffer one (46.6 vs 34.5 ms) "

@@ -11,6 +11,7 @@ shaped list (scale 0.5 on a GPU). The last line is one JSON object: `quantize_pa
 over the same copy.
 
     python3 bench/fp8_bench.py --out bench/results/fp8_h200.json             # one GPU
+    python3 bench/fp8_bench.py --profile 30      # + where one FP8 refit's host time goes
     OMP_NUM_THREADS=1 .venv/bin/python bench/fp8_bench.py --quick            # CPU, small
 """
 
@@ -25,6 +26,7 @@ import torch
 from bench_report import _hardware
 from broadcast_bench import DEFAULT_MODEL_SCALE, sync, timed
 from model_shapes import MODELS, Shapes, qwen3_shapes, scaled
+from profiling import profile_call
 from provenance import bench_args, finish
 from sender_sweep import copy_seconds
 
@@ -52,6 +54,8 @@ def refit_seconds(group: RefitGroup, source, config: RefitConfig,
     sender = RefitSender.setup(group, plan)
     version = iter(range(1, 1 << 30))
     times = timed(lambda: sender.refit(source, next(version)), args, group.device)
+    if args.profile and isinstance(source, Fp8Source):
+        profile_call(sender.refit, source, next(version), top=args.profile)
     return statistics.median(times), plan.total_bytes
 
 
@@ -77,7 +81,7 @@ def measure_list(group: RefitGroup, name: str, shapes: Shapes,
 
 
 def main() -> int:
-    args = bench_args(__doc__, "on the GPU (the default where CUDA is available)")
+    args = bench_args(__doc__, "on the GPU (the default where CUDA is available)", profile=True)
     args.kind = "gpu" if torch.cuda.is_available() and not args.quick else "cpu"
     args.scale = DEFAULT_MODEL_SCALE[args.kind]
     args.warmup, args.reps = 1, 3 if args.quick else 5

@@ -70,11 +70,14 @@ def finish(report: dict[str, Any], summary: dict[str, Any], out: str | os.PathLi
     print(json.dumps(summary))
 
 
-def bench_args(doc: str, gpu: str) -> argparse.Namespace:
+def bench_args(doc: str, gpu: str, profile: bool = False) -> argparse.Namespace:
     """The options of a benchmark with a CPU and a GPU part: --quick, --gpu (`gpu` says what
-    it runs), --out."""
+    it runs), --out; `profile`: --profile N too (see `profiling.profile_call`)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer runs (CPU under 5 minutes)")
     ap.add_argument("--gpu", action="store_true", help=gpu)
+    if profile:
+        ap.add_argument("--profile", type=int, default=0,
+                        help="then profile one more refit: its N costliest calls to stderr")
     ap.add_argument("--out", help="write the JSON report here")
     return ap.parse_args()

@@ -5,6 +5,7 @@ its CUDA calls (`bench/sender_sweep.py` measures that at real sizes).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/sender_host_bench.py [--buffers 2] [--out F]
     python3 bench/sender_host_bench.py --device cuda      # NCCL, the pack kernel's launches
+    python3 bench/sender_host_bench.py --device cuda --profile 25   # + where one refit's host time goes
 
 The last line is one JSON object: `us_per_bucket` (median over `--reps` refits) and its split
 (`produce_us`, `pack_us`, `wait_us` per bucket, from the refit's own stats).
@@ -18,6 +19,7 @@ import sys
 import time
 
 import torch
+from profiling import profile_call
 from provenance import finish
 
 from common.config import RefitConfig
@@ -33,6 +35,8 @@ def main() -> int:
     ap.add_argument("--tensors", type=int, default=4000, help="of 1 KiB, two per bucket")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--profile", type=int, default=0,
+                    help="then profile one refit: its N costliest calls (own time) to stderr")
     ap.add_argument("--out", help="write the JSON report here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -55,6 +59,8 @@ def main() -> int:
             if args.device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+        if args.profile:
+            profile_call(sender.refit, source, 4 + args.reps, top=args.profile)
     finally:
         group.destroy()
     n = len(plan.buckets)

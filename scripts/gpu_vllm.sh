@@ -14,12 +14,12 @@ if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by t
   python3 bench/broadcast_bench.py --out "$out/gpu_h200x1_sweep_cal.json" > "$out/cal.log" 2>&1
   python3 bench/sender_sweep.py --out "$out/sender_sweep_h200.json" > "$out/sweep.log" 2>&1
   rc=$?
-  REFIT_NCCL_SPIN_US=0 python3 bench/sender_sweep.py --checksum off --buffers 2,3 \
-    --out "$out/sender_sweep_h200_nospin.json" > "$out/sweep_nospin.log" 2>&1  # what spin gains
-  python3 bench/sender_host_bench.py --device cuda --out "$out/sender_host_h200.json" \
+  python3 bench/sender_host_bench.py --device cuda --profile 30 --out "$out/sender_host_h200.json" \
     > "$out/sender_host.log" 2>&1; host=$?
-  python3 bench/fp8_bench.py --out "$out/fp8_h200.json" > "$out/fp8.log" 2>&1; fp8=$?  # issue 38
-  tail -2 "$out/cal.log" "$out/sweep.log" "$out/sender_host.log" "$out/fp8.log"
+  TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0 python3 bench/sender_host_bench.py \
+    --device cuda > "$out/sender_host_no_fr.log" 2>&1  # what NCCL's flight recorder costs
+  python3 bench/fp8_bench.py --profile 30 --out "$out/fp8_h200.json" > "$out/fp8.log" 2>&1; fp8=$?  # issue 38
+  tail -n 2 "$out/cal.log" "$out/sweep.log" "$out/sender_host.log" "$out/fp8.log"
   exit $(( rc || host || fp8 ))
 fi
 bash .whl/site.sh
@@ -34,12 +34,12 @@ case "${1:-tests}" in
     serve=$?
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py > "$out/gpu_fp8_kernel.log" 2>&1
     kernel=$?; wait $engine; engine=$?
-    tail -3 "$out/gpu_engine.log" "$out/gpu_serve.log" "$out/gpu_fp8_kernel.log"
+    tail -n 3 "$out/gpu_engine.log" "$out/gpu_serve.log" "$out/gpu_fp8_kernel.log"
     exit $(( serve || engine || kernel ));;
   recipes)
     run tests/gpu_vllm/test_cuda_recipes.py > "$out/gpu_recipes.log" 2>&1
-    rc=$?; tail -3 "$out/gpu_recipes.log"; exit $rc;;
+    rc=$?; tail -n 3 "$out/gpu_recipes.log"; exit $rc;;
   bench)
     python3 bench/cuda_engine_bench.py --out "$out/cuda_engine_h200.json" > "$out/bench.log" 2>&1
-    rc=$?; tail -4 "$out/bench.log"; exit $rc;;
+    rc=$?; tail -n 4 "$out/bench.log"; exit $rc;;
 esac

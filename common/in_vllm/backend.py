@@ -100,6 +100,7 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
         self.direct: DirectLoad | None = None  # the learned map (REFIT_APPLY=direct)
         self._reloading: torch.nn.Module | None = None  # what this refit's reload opened
         self.apply_report: dict = {}
+        self._post_split: dict[str, float] = {}  # the last refit's post-load steps, timed
         self.state = RefitState()  # what this worker holds (module docstring)
         self._touched = False  # the refit in progress began receiving bytes
 
@@ -218,11 +219,7 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
         def finalize() -> str | None:  # before the status exchange: a failure reaches all
             nonlocal finalized
             finalized = True
-            with watch:
-                finalize_layerwise_reload(self._reloading, self.model_config)
-            self.fixes.after_load(loaded)
-            if why := self.fixes.describe_missing(loaded):
-                raise RuntimeError(why)
+            self._finish_reload(loaded, watch)
             if recorder is not None:
                 self._learn(recorder, kept)
             digest = None  # to every rank in the status record
@@ -255,6 +252,22 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
             self.apply_report.update(undo.base_report(receiver.base))
         self.last_version, self.landed = version, True
         self._report_landed(version, direct, stats, t0)
+
+    def _finish_reload(self, loaded: set[str], watch) -> None:
+        """vLLM's reload closed over what was opened, the post-load work it leaves to us,
+        and the check that every loadable param got a value; each step timed for the apply
+        report (`post_split`)."""
+        t0 = time.perf_counter()
+        with watch:
+            finalize_layerwise_reload(self._reloading, self.model_config)
+        t1 = time.perf_counter()
+        self.fixes.after_load(loaded)
+        t2 = time.perf_counter()
+        why = self.fixes.describe_missing(loaded)
+        self._post_split = {"finalize_s": t1 - t0, "fixes_s": t2 - t1,
+                            "check_s": time.perf_counter() - t2}
+        if why:
+            raise RuntimeError(why)
 
     def _loaders(self, direct: DirectLoad | None, loaded: set[str],
                  recorder: CopyRecorder | None = None, kept: Kept | None = None) -> tuple:
@@ -333,7 +346,8 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
     def _report_landed(self, version: int, direct: DirectLoad | None, stats: RefitStats,
                        t0: float) -> None:
         if direct is not None:  # where the apply's time went: copies, vLLM's layer processing
-            self.apply_report["last_refit"] = {**direct.times, "post_s": stats.post_s}
+            self.apply_report["last_refit"] = {**direct.times, "post_s": stats.post_s,
+                                               **self._post_split}
         path = "direct" if direct is not None else "load_weights"
         log.info("%s: refit v%d landed in %.1f ms via %s (wait %.1f ms, load %.1f ms)",
                  self.receiver.group.label, version, (time.perf_counter() - t0) * 1e3, path,

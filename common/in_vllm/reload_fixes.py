@@ -89,16 +89,21 @@ def _moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 def _tied_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, set[str]]]:
     """Layers with post-load processing whose param is loaded under another layer's name
     (e.g. an lm_head tied to the embedding): the reload loads the other name only, so this
-    layer's processing (on CPU a prepacked copy of the weight) would go stale."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
+    layer's processing (on CPU a prepacked copy of the weight) would go stale. One module
+    registered under two names (vLLM 0.26's MoE router `gate`, also `experts.gate`) shares
+    nothing with another layer: not tied."""
+    owners: dict[int, dict[int, set[str]]] = {}  # param -> module holding it -> its names
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for pname, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), {}).setdefault(id(module), set()).add(
+                f"{prefix}.{pname}" if prefix else pname)
     tied = []
-    for prefix, module in model.named_modules():
+    for _, module in model.named_modules():
         if not isinstance(getattr(module, "quant_method", None), QuantizeMethodBase):
             continue
-        for pname, param in module.named_parameters(recurse=False):
-            own = f"{prefix}.{pname}" if prefix else pname
-            if others := set(names.get(id(param), [])) - {own}:
+        for _, param in module.named_parameters(recurse=False):
+            others = set().union(*(names for holder, names in owners[id(param)].items()
+                                   if holder != id(module)))
+            if others:
                 tied.append((module, others))
     return tied

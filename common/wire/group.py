@@ -36,10 +36,6 @@ _NCCL_ENV = {
 }
 _POLL_S = 20e-6  # NCCL's own blocking wait sleeps 1 ms between polls: too coarse per bucket
 _GLOO_POLL_S = 5e-4  # the longest sleep between polls of a gloo work
-# An NCCL wait first polls without sleeping this long: a sleep costs the kernel's timer slack
-# (tens of us) at least, per bucket, where the collective two buckets back is about done.
-# REFIT_NCCL_SPIN_US=0 turns it off (to measure what it gains: bench/sender_sweep.py).
-_NCCL_SPIN_S = float(os.environ.get("REFIT_NCCL_SPIN_US", "200")) * 1e-6
 _BACKEND_GRACE_S = 30.0
 # Collectives given up on, with their group, kept alive until their own timeout has passed.
 _ABANDONED: list[tuple[float, dist.Work, object]] = []
@@ -151,10 +147,6 @@ class RefitGroup(Transport):
         """Poll `work.is_completed()` (a gloo `wait(timeout)` cannot serve here: from one
         torch version to the next, a timed-out wait leaves the work running or failed)."""
         # NCCL kernels finish in microseconds; a gloo op on its thread in milliseconds.
-        if self.backend == "nccl":
-            spin_until = time.perf_counter() + _NCCL_SPIN_S
-            while not work.is_completed() and time.perf_counter() < spin_until:
-                pass
         self._poll(work.is_completed, deadline,
                    _POLL_S if self.backend == "nccl" else _GLOO_POLL_S)
         work.wait()  # raises the collective's own error, if any
