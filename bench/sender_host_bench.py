@@ -5,7 +5,7 @@ its CUDA calls (`bench/sender_sweep.py` measures that at real sizes).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/sender_host_bench.py [--buffers 2] [--out F]
     python3 bench/sender_host_bench.py --device cuda      # NCCL, the pack kernel's launches
-    python3 bench/sender_host_bench.py --device cuda --profile 25   # + where one refit's host time goes
+    python3 bench/sender_host_bench.py --device cuda --profile 25   # + where its time goes
 
 The last line is one JSON object: `us_per_bucket` (median over `--reps` refits) and its split
 (`produce_us`, `pack_us`, `wait_us` per bucket, from the refit's own stats).
