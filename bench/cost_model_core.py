@@ -1,13 +1,13 @@
 """The cost model's arithmetic: cut a tensor list into the broadcaster's buckets, then time a
 refit as a critical path through its stages with N rotating buffers.
 
-Per bucket, in plan order: its sender produces it (gather, host work per tensor and per bucket
-(`fit_host`), pack: with 2+
-buffers the host work of the next bucket overlaps the device pack of this one, so the slower
-sets the pace; with 1 buffer they run in turn and the sender waits for the buffer to come back,
-`handback_s`), the wire carries it (one collective at a time over the group), the receivers
-apply it. A sender reuses a buffer only once its bucket `buffers` back has left the wire; a
-receiver holds `buffers` buckets, so the wire waits for the apply of the bucket `buffers` back.
+Per bucket, in plan order: its sender takes it (gather and checks: host work per tensor and
+per bucket, `fit_host`) without waiting for a buffer, then waits for the buffer (its bucket
+`buffers` back has left the wire) and packs into it: on a GPU the pack runs on the device while
+the host takes the next bucket (`StageCosts.overlap`), on a CPU the host packs before going on;
+with 1 buffer each bucket may pay a calibrated hand-back (`handback_s`). The wire carries the
+buckets one collective at a time over the group; a receiver holds `buffers` buckets, so the wire
+waits for the apply of the bucket `buffers` back.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ class Bucket:
 class StageCosts:
     """Per-bucket stage times (seconds), each list in bucket order."""
 
-    host: list[float]
-    device: list[float]
+    host: list[float]  # the take: gather and checks
+    device: list[float]  # the pack into the buffer
     wire: list[float]
     apply: list[float]
+    overlap: bool = True  # the pack runs on the device while the host goes on (a GPU)
 
 
 @dataclass
@@ -98,29 +99,27 @@ def _least_squares(a: list[list[float]], y: list[float]) -> tuple[float, float]:
     return (t1 * s22 - t2 * s12) / det, (s11 * t2 - s12 * t1) / det
 
 
-def _produce(costs: StageCosts, i: int, buffers: int, handback_s: float) -> float:
-    if buffers == 1:
-        return costs.host[i] + costs.device[i] + handback_s
-    return max(costs.host[i], costs.device[i])
-
-
 def simulate(buckets: list[Bucket], costs: StageCosts, buffers: int,
              handback_s: float = 0.0) -> Timeline:
     """The refit's end: when the last bucket is applied (see the module's doc). `totals`
     splits that time along the critical path: the wire busy, the wire waiting on a sender,
     the wire waiting on a receiver's buffer plus the last apply."""
     sent: dict[int, list[float]] = {}  # sender -> wire end of each of its buckets
-    produced: dict[int, float] = {}
+    host_free: dict[int, float] = {}  # sender -> when its host may take the next bucket
+    packed: dict[int, float] = {}  # sender -> when its last pack ended
     applied: list[float] = []
     wire_end, totals = 0.0, {"sender": 0.0, "wire": 0.0, "apply": 0.0}
     for i, b in enumerate(buckets):
         mine = sent.setdefault(b.sender, [])
         free = mine[-buffers] if len(mine) >= buffers else 0.0
-        produced[b.sender] = max(produced.get(b.sender, 0.0), free) + _produce(
-            costs, i, buffers, handback_s)
+        taken = host_free.get(b.sender, 0.0) + costs.host[i]
+        launch = max(taken, free)  # a 1-buffer pack also waits for the buffer's hand-back
+        packed[b.sender] = max(launch + (handback_s if buffers == 1 else 0.0),
+                               packed.get(b.sender, 0.0)) + costs.device[i]
+        host_free[b.sender] = launch if costs.overlap else packed[b.sender]
         held = applied[i - buffers] if i >= buffers else 0.0
-        start = max(produced[b.sender], wire_end, held)
-        totals["sender" if produced[b.sender] >= held else "apply"] += start - wire_end
+        start = max(packed[b.sender], wire_end, held)
+        totals["sender" if packed[b.sender] >= held else "apply"] += start - wire_end
         wire_end = start + costs.wire[i]
         totals["wire"] += costs.wire[i]
         mine.append(wire_end)

@@ -31,30 +31,39 @@ def _three(host: float, wire: float, apply: float = 0.0) -> tuple[list[Bucket], 
 
 def test_cost_model_pipeline_by_hand() -> None:
     b, c = _three(host=2.0, wire=1.0)
-    assert simulate(b, c, 1).seconds == pytest.approx(9.0)  # 1 buffer: (2 + 1) x 3 in turn
-    t = simulate(b, c, 2)  # 2 buffers: packs back to back, the last send after: 2 x 3 + 1
+    # the sender takes a bucket before it waits for a buffer: with 1 buffer too its takes
+    # run back to back while the wire carries the last one: 2 x 3 + 1
+    assert simulate(b, c, 1).seconds == pytest.approx(7.0)
+    t = simulate(b, c, 2)
     assert t.seconds == pytest.approx(7.0) and t.bound == "sender"
     b, c = _three(host=1.0, wire=3.0, apply=0.5)
     t = simulate(b, c, 2)  # wire-bound: 1 + 3 x 3 + the last apply
     assert t.seconds == pytest.approx(10.5) and t.bound == "wire"
     assert sum(t.totals.values()) == pytest.approx(t.seconds)
-    # 1 buffer: (1 + 0.5 hand-back + 3) x 3, the first two applies under the next packs
-    assert simulate(b, c, 1, handback_s=0.5).seconds == pytest.approx(3 * 4.5 + 0.5)
+    # 1 buffer: each pack waits for the last bucket's wire and pays the hand-back, each send
+    # for the last apply: 1 + 0.5, then every bucket 0.5 + 3, then the last apply
+    assert simulate(b, c, 1, handback_s=0.5).seconds == pytest.approx(1.5 + 3 * 3.5 + 0.5 - 0.5)
+    # a pack on the host (CPU) holds the host: 2 buffers, take 1 + pack 2 per bucket
+    three = [Bucket(0, 1, 1)] * 3
+    cpu = StageCosts([1.0] * 3, [2.0] * 3, [0.5] * 3, [0.0] * 3, overlap=False)
+    gpu = StageCosts([1.0] * 3, [2.0] * 3, [0.5] * 3, [0.0] * 3, overlap=True)
+    assert simulate(three, cpu, 2).seconds == pytest.approx(3 * 3 + 0.5)
+    assert simulate(three, gpu, 2).seconds == pytest.approx(1 + 3 * 2 + 0.5)  # device-bound
 
 
 def test_cost_model_interleave_takes_senders_in_turn_and_overlaps_their_work() -> None:
     a, b, c = (Bucket(s, 1, n) for s, n in ((0, 1), (1, 2), (2, 3)))
     a2, b2 = Bucket(0, 1, 4), Bucket(1, 1, 5)
     assert interleave([a, a2, b, b2, c]) == [a, b, c, a2, b2]  # each sender's order kept
-    # two senders, 4 buckets each, 2 s to produce, 1 s on the wire, 2 buffers. In plan order
-    # the first sender's buckets leave at 3, 5, 7, 9; the second had 2 ready, sends them at
-    # 9-11, then produces each of its last two only once a buffer is back: 13, 15. In turn
-    # both produce at once: a bucket leaves every second from 2 on, the last two at 8-10.
+    # two senders, 4 buckets each, 2 s to take, 1 s on the wire, 2 buffers. In plan order
+    # the first sender's buckets leave at 3, 5, 7, 9; the second had 2 packed and a third
+    # taken, sends them at 9-12 (the third packed once a buffer is back, at 10), takes its
+    # last at 10-12: 13. In turn both take at once: a bucket leaves every second from 2 on.
     bs = [Bucket(0, 1, 1)] * 4 + [Bucket(1, 1, 1)] * 4
     costs = StageCosts([2.0] * 8, [0.0] * 8, [1.0] * 8, [0.0] * 8)
     in_order, in_turn = simulate(bs, costs, 2), simulate(interleave(bs), costs, 2)
-    assert in_order.seconds == pytest.approx(15.0)
-    assert in_order.totals["sender"] == pytest.approx(7.0)  # the wire waiting on a sender
+    assert in_order.seconds == pytest.approx(13.0)
+    assert in_order.totals["sender"] == pytest.approx(5.0)  # the wire waiting on a sender
     assert in_turn.seconds == pytest.approx(10.0)
     assert in_turn.totals["sender"] == pytest.approx(2.0)  # only for the first bucket
 
