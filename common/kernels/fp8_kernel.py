@@ -68,7 +68,9 @@ def quantize_many(xs: list[torch.Tensor], block: tuple[int, int],
     blocks = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     q = torch.empty((len(xs), m, n), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((len(xs), *blocks), dtype=torch.float32, device=x.device)
-    addrs = torch.tensor([t.data_ptr() for t in xs], dtype=torch.int64).to(x.device)
+    # pinned and non-blocking: a pageable upload would wait for the stream to drain
+    addrs = torch.tensor([t.data_ptr() for t in xs], dtype=torch.int64,
+                         pin_memory=True).to(x.device, non_blocking=True)
     with torch.cuda.device(x.device):
         _quantize_blocks[(len(xs), *blocks)](
             addrs, q, s, m, n, x.stride(0), x.stride(1), blocks[0], blocks[1], _INV_FP8_MAX,

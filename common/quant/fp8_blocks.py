@@ -141,9 +141,10 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], fmt: BlockFp8Format,
     for idx in groups.values():
         q, s = fp8_kernel.quantize_many([named[i][1] for i in idx], fmt.block, fmt.ue8m0)
         finite = torch.isfinite(s).flatten(1).all(1).tolist()  # one sync per group
+        qs, ss = q.unbind(0), s.unbind(0)  # one call for the group's views
         for k, i in enumerate(idx):
             name, x = named[i]
-            out[i] = (q[k], s[k]) if finite[k] else (
+            out[i] = (qs[k], ss[k]) if finite[k] else (
                 f"{name}: {_nonfinite_summary(x, 1 << 16)}; cannot quantize to FP8")
     for i, (name, x) in enumerate(named):
         if out[i] is None:
