@@ -136,9 +136,11 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], fmt: BlockFp8Format,
     out: list = [None] * len(named)
     groups: dict[tuple, list[int]] = {}
     for i, (_, x) in enumerate(named):
-        if x.dim() == 2 and x.dtype in _INPUT_DTYPES and fp8_kernel.available(x, fmt.block):
+        if x.is_cuda and x.dim() == 2 and x.dtype in _INPUT_DTYPES:
             groups.setdefault((x.shape, x.dtype, x.stride(), x.device), []).append(i)
     for idx in groups.values():
+        if not fp8_kernel.available(named[idx[0]][1], fmt.block):  # one check per group
+            continue  # quantized one by one below
         q, s = fp8_kernel.quantize_many([named[i][1] for i in idx], fmt.block, fmt.ue8m0)
         finite = torch.isfinite(s).flatten(1).all(1).tolist()  # one sync per group
         qs, ss = q.unbind(0), s.unbind(0)  # one call for the group's views
