@@ -126,6 +126,18 @@ def fp8_specs(specs: list[TensorSpec], targets: Fp8Targets) -> list[TensorSpec]:
     return out
 
 
+@dataclass(frozen=True)
+class _BucketLayout:
+    """One plan bucket as `Fp8Source` fills it (made once per plan): the plan's names, the
+    positions the inner source feeds, its FP8 targets with their scales' names, and the
+    positions of scales."""
+
+    names: tuple[str, ...]
+    inner: tuple[int, ...]
+    targets: tuple[tuple[int, str], ...]  # (position, its scale's name)
+    scales: tuple[tuple[int, str], ...]  # (position, name)
+
+
 class Fp8Source:
     """`inner` with the engine's FP8 targets quantized after gathering and converting; its
     plan specs are `fp8_specs` of the inner ones. A weight that cannot be quantized (NaN or
@@ -136,6 +148,7 @@ class Fp8Source:
         self._inner_specs = {s.name: s for s in inner.plan_specs()}
         self._scale_names = frozenset(scale_name(n) for n in targets.names)
         self._inner_plans: dict[str, RefitPlan] = {}
+        self._layouts: dict[str, list[_BucketLayout]] = {}
 
     def plan_specs(self) -> list[TensorSpec]:
         return fp8_specs(list(self._inner_specs.values()), self.targets)
@@ -144,39 +157,50 @@ class Fp8Source:
         """Per plan spec in plan order: the inner source's tensor, a target quantized, or a
         target's scale (from its weight, which comes first: each source's order holds in any
         plan, interleaved too). A bucket's targets are quantized together (`quantize_batch`:
-        one launch per shape on CUDA), so its inner tensors are alive together."""
+        one launch per shape on CUDA), so its inner tensors are alive together; the per-spec
+        work is laid out once per plan (`_BucketLayout`), none of it per tensor and refit."""
         inner = self.inner.iter_tensors(self._inner_plan(plan))
         scales: dict[str, torch.Tensor | RefusedTensor | None] = {}
-        for bucket in plan.buckets:
-            items: list[list] = []  # [name, tensor or None for a scale of this bucket]
-            for spec in plan.bucket_specs(bucket):
-                if spec.name in self._scale_names:
-                    items.append([spec.name, None])
-                    continue
-                items.append(list(next(inner)))
-            self._quantize(items, scales)
-            for item in items:
-                if item[1] is None and item[0] in scales:
-                    item[1] = scales.pop(item[0])
-                yield item[0], item[1]
-            del items
+        for layout in self._bucket_layouts(plan):
+            names, tensors = list(layout.names), [None] * len(layout.names)
+            for k in layout.inner:
+                names[k], tensors[k] = next(inner)
+            self._quantize(names, tensors, layout.targets, scales)
+            for k, name in layout.scales:
+                tensors[k] = scales.pop(name, None)
+            yield from zip(names, tensors, strict=True)
+            del names, tensors
 
-    def _quantize(self, items: list[list], scales: dict) -> None:
+    def _quantize(self, names: list[str], tensors: list, targets: tuple[tuple[int, str], ...],
+                  scales: dict) -> None:
         """The bucket's targets (held on this rank) replaced by their e4m3 tensors, their
         scales kept in `scales` (a target not held here: None for both)."""
-        names = self.targets.names
-        mine = [(k, item) for k, item in enumerate(items)
-                if item[0] in names and item[1] is not None]
-        done = quantize_batch([(item[0], item[1]) for _, item in mine], self.targets.fmt)
-        for (_, item), result in zip(mine, done, strict=True):
+        mine = [(k, scale) for k, scale in targets if tensors[k] is not None]
+        done = quantize_batch([(names[k], tensors[k]) for k, _ in mine], self.targets.fmt)
+        for (k, scale), result in zip(mine, done, strict=True):
             if isinstance(result, str):
-                item[1] = scales[scale_name(item[0])] = RefusedTensor(
-                    f"not quantized to FP8: {result}")
+                tensors[k] = scales[scale] = RefusedTensor(f"not quantized to FP8: {result}")
             else:
-                item[1], scales[scale_name(item[0])] = result
-        for item in items:
-            if item[0] in names and item[1] is None:
-                scales[scale_name(item[0])] = None
+                tensors[k], scales[scale] = result
+        for k, scale in targets:
+            if tensors[k] is None:
+                scales[scale] = None
+
+    def _bucket_layouts(self, plan: RefitPlan) -> list[_BucketLayout]:
+        """Each bucket's `_BucketLayout` (made once per plan)."""
+        if (known := self._layouts.get(plan.digest)) is not None:
+            return known
+        layouts = []
+        for bucket in plan.buckets:
+            names = tuple(s.name for s in plan.bucket_specs(bucket))
+            is_scale = [n in self._scale_names for n in names]
+            layouts.append(_BucketLayout(
+                names, tuple(k for k, sc in enumerate(is_scale) if not sc),
+                tuple((k, scale_name(n)) for k, n in enumerate(names)
+                      if n in self.targets.names),
+                tuple((k, n) for k, n in enumerate(names) if is_scale[k])))
+        self._layouts[plan.digest] = layouts
+        return layouts
 
     def _inner_plan(self, plan: RefitPlan) -> RefitPlan:
         """The plan the inner source iterates: `plan`'s order without the scales, each target
