@@ -16,8 +16,6 @@ if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by t
   rc=$?
   python3 bench/sender_host_bench.py --device cuda --profile 30 --out "$out/sender_host_h200.json" \
     > "$out/sender_host.log" 2>&1; host=$?
-  TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0 python3 bench/sender_host_bench.py \
-    --device cuda > "$out/sender_host_no_fr.log" 2>&1  # what NCCL's flight recorder costs
   python3 bench/fp8_bench.py --profile 30 --out "$out/fp8_h200.json" > "$out/fp8.log" 2>&1; fp8=$?  # issue 38
   tail -n 2 "$out/cal.log" "$out/sweep.log" "$out/sender_host.log" "$out/fp8.log"
   exit $(( rc || host || fp8 ))
