@@ -209,7 +209,6 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
         direct, recorder = self._pick_path()
         self._report_needs()
         kept = Kept(model) if recorder and map_steps.verify_map() else None
-        watch = recorder if recorder is not None else contextlib.nullcontext()
         t0 = time.perf_counter()
         self._open_reload(direct)
         finalized = False
@@ -219,7 +218,12 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
         def finalize() -> str | None:  # before the status exchange: a failure reaches all
             nonlocal finalized
             finalized = True
-            self._finish_reload(loaded, watch)
+            self._end_reload(loaded, recorder)
+            t = time.perf_counter()
+            why = self.fixes.describe_missing(loaded)
+            self._post_split["check_s"] = time.perf_counter() - t
+            if why:
+                raise RuntimeError(why)
             if recorder is not None:
                 self._learn(recorder, kept)
             digest = None  # to every rank in the status record
@@ -252,22 +256,6 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
             self.apply_report.update(undo.base_report(receiver.base))
         self.last_version, self.landed = version, True
         self._report_landed(version, direct, stats, t0)
-
-    def _finish_reload(self, loaded: set[str], watch) -> None:
-        """vLLM's reload closed over what was opened, the post-load work it leaves to us,
-        and the check that every loadable param got a value; each step timed for the apply
-        report (`post_split`)."""
-        t0 = time.perf_counter()
-        with watch:
-            finalize_layerwise_reload(self._reloading, self.model_config)
-        t1 = time.perf_counter()
-        self.fixes.after_load(loaded)
-        t2 = time.perf_counter()
-        why = self.fixes.describe_missing(loaded)
-        self._post_split = {"finalize_s": t1 - t0, "fixes_s": t2 - t1,
-                            "check_s": time.perf_counter() - t2}
-        if why:
-            raise RuntimeError(why)
 
     def _loaders(self, direct: DirectLoad | None, loaded: set[str],
                  recorder: CopyRecorder | None = None, kept: Kept | None = None) -> tuple:
@@ -322,10 +310,15 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
         direct.hashes = loaded_hash.LoadedHashes() if loaded_hash.enabled() else None
         self._reloading = direct.begin()
 
-    def _end_reload(self, loaded: set[str]) -> None:
-        """Finalise vLLM's reload session and redo what it skips for the `loaded` params."""
-        finalize_layerwise_reload(self._reloading, self.model_config)
+    def _end_reload(self, loaded: set[str], recorder: CopyRecorder | None = None) -> None:
+        """Finalise vLLM's reload session (watched by a learning refit's `recorder`) and
+        redo what it skips for the `loaded` params; both timed for the apply report."""
+        t0 = time.perf_counter()
+        with recorder if recorder is not None else contextlib.nullcontext():
+            finalize_layerwise_reload(self._reloading, self.model_config)
+        t1 = time.perf_counter()
         self.fixes.after_load(loaded)
+        self._post_split = {"finalize_s": t1 - t0, "fixes_s": time.perf_counter() - t1}
 
     def _close_reload(self, loaded: set[str], version: int) -> None:
         """Close the reload session of a refit that failed before its own finalisation."""
