@@ -13,6 +13,8 @@ the scale's correctly rounded reciprocal and rounded to nearest into e4m3 (satur
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -59,22 +61,39 @@ if triton is not None:
         tl.store(s + (t64 * blocks_m + pid_m) * blocks_n + pid_n, sf)
 
 
+def address_table(xs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensors' addresses on `device`, for `launch`. Pinned and non-blocking on CUDA: a
+    pageable upload would wait for the stream to drain."""
+    table = torch.tensor(list(map(torch.Tensor.data_ptr, xs)), dtype=torch.int64,
+                         pin_memory=device.type == "cuda")
+    return table.to(device, non_blocking=True)
+
+
+def launch(addrs: torch.Tensor, like: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+           block: tuple[int, int], ue8m0: bool) -> None:
+    """Quantize the tensors at `addrs` (each of `like`'s shape, strides and dtype) into `q`
+    (e4m3, [len(addrs), m, n], contiguous) and `s` (float32 scale_inv, [len(addrs), blocks_m,
+    blocks_n], contiguous: may be a view into a larger buffer)."""
+    (m, n), (bm, bn) = like.shape, block
+    blocks = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    grid = (len(addrs), *blocks)
+    args = (addrs, q, s, m, n, like.stride(0), like.stride(1), blocks[0], blocks[1],
+            _INV_FP8_MAX)
+    consts = dict(IN=_IN[like.dtype], BM=bm, BN=bn, UE8M0=ue8m0, num_warps=8)
+    # CPU tensors: Triton's interpreter (TRITON_INTERPRET=1), for tests without a GPU
+    with torch.cuda.device(like.device) if like.is_cuda else contextlib.nullcontext():
+        _quantize_blocks[grid](*args, **consts)
+
+
 def quantize_many(xs: list[torch.Tensor], block: tuple[int, int],
                   ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Tensors of one shape, dtype, strides and CUDA device in one launch: (e4m3 values
     [len(xs), m, n], float32 scale_inv [len(xs), blocks_m, blocks_n]); item i holds xs[i]'s."""
     x = xs[0]
     (m, n), (bm, bn) = x.shape, block
-    blocks = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     q = torch.empty((len(xs), m, n), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((len(xs), *blocks), dtype=torch.float32, device=x.device)
-    # pinned and non-blocking: a pageable upload would wait for the stream to drain
-    addrs = torch.tensor([t.data_ptr() for t in xs], dtype=torch.int64,
-                         pin_memory=True).to(x.device, non_blocking=True)
-    with torch.cuda.device(x.device):
-        _quantize_blocks[(len(xs), *blocks)](
-            addrs, q, s, m, n, x.stride(0), x.stride(1), blocks[0], blocks[1], _INV_FP8_MAX,
-            IN=_IN[x.dtype], BM=bm, BN=bn, UE8M0=ue8m0, num_warps=8)
+    s = torch.empty((len(xs), -(-m // bm), -(-n // bn)), dtype=torch.float32, device=x.device)
+    launch(address_table(xs, x.device), x, q, s, block, ue8m0)
     return q, s
 
 

@@ -14,7 +14,9 @@ CUDA, Triton's approximate fp32 division may differ from its eager ops.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -22,6 +24,8 @@ import torch
 from common.kernels import fp8_kernel
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# what one launch needs its tensors to share
+_SAME = (attrgetter("shape"), attrgetter("dtype"), torch.Tensor.stride, attrgetter("device"))
 
 
 @dataclass(frozen=True)
@@ -128,33 +132,93 @@ def quantize(name: str, x: torch.Tensor, fmt: BlockFp8Format, *,
     return q, s
 
 
-def quantize_batch(named: list[tuple[str, torch.Tensor]], fmt: BlockFp8Format,
-                   ) -> list[tuple[torch.Tensor, torch.Tensor] | str]:
+def quantize_batch(named: list[tuple[str, torch.Tensor | None]], fmt: BlockFp8Format,
+                   groups: Sequence[Sequence[int]] | None = None,
+                   ) -> list[tuple[torch.Tensor, torch.Tensor] | str | None]:
     """`quantize` of each (name, tensor), bit for bit the same, or why it cannot be (a
-    string naming the tensor). On CUDA the tensors of one shape, dtype and strides go in one
-    launch (`fp8_kernel.quantize_many`); elsewhere one by one."""
+    string naming the tensor); None for a None tensor (not held here). On CUDA the tensors of
+    one shape, dtype and strides go in one launch (`fp8_kernel.launch`), their scales into one
+    buffer checked for non-finite values once (one sync per batch); elsewhere one by one.
+    `groups`: positions expected to share a shape and dtype (a plan's), checked here; found
+    tensor by tensor when not given."""
     out: list = [None] * len(named)
-    groups: dict[tuple, list[int]] = {}
-    for i, (_, x) in enumerate(named):
-        if x.is_cuda and x.dim() == 2 and x.dtype in _INPUT_DTYPES:
-            groups.setdefault((x.shape, x.dtype, x.stride(), x.device), []).append(i)
-    for idx in groups.values():
-        if not fp8_kernel.available(named[idx[0]][1], fmt.block):  # one check per group
-            continue  # quantized one by one below
-        q, s = fp8_kernel.quantize_many([named[i][1] for i in idx], fmt.block, fmt.ue8m0)
-        finite = torch.isfinite(s).flatten(1).all(1).tolist()  # one sync per group
-        qs, ss = q.unbind(0), s.unbind(0)  # one call for the group's views
-        for k, i in enumerate(idx):
-            name, x = named[i]
-            out[i] = (qs[k], ss[k]) if finite[k] else (
-                f"{name}: {_nonfinite_summary(x, 1 << 16)}; cannot quantize to FP8")
+    launched = _kernel_groups(named, groups if groups is not None else
+                              [range(len(named))], fmt)
+    if launched:
+        _quantize_groups(named, launched, fmt, out)
     for i, (name, x) in enumerate(named):
-        if out[i] is None:
+        if out[i] is None and x is not None:
             try:
                 out[i] = quantize(name, x, fmt)
             except ValueError as e:
                 out[i] = str(e)
     return out
+
+
+def _kernel_groups(named: list, groups: Sequence[Sequence[int]],
+                   fmt: BlockFp8Format) -> list[list[int]]:
+    """The `groups` the kernel takes in one launch each: same shape, dtype, strides and
+    device (C-level comparisons, no Python per tensor); a group that is not is split by its
+    tensors' own keys. All on the first group's device."""
+    out: list[list[int]] = []
+    device = None
+    for idx in groups:
+        xs = [named[i][1] for i in idx]
+        if not xs:
+            continue
+        if not _uniform(xs):
+            if len(xs) > 1:
+                out += _kernel_groups(named, _by_key(named, idx), fmt)
+            continue
+        x = xs[0]
+        if (x.dim() == 2 and x.dtype in _INPUT_DTYPES and fp8_kernel.available(x, fmt.block)
+                and device in (None, x.device)):
+            device = x.device
+            out.append(list(idx))
+    return out
+
+
+def _uniform(xs: list) -> bool:
+    try:
+        return all(len(set(map(key, xs))) == 1 for key in _SAME)
+    except (AttributeError, TypeError):  # a None among them (not held here)
+        return False
+
+
+def _by_key(named: list, idx: Sequence[int]) -> list[list[int]]:
+    """`idx` split by each tensor's (shape, dtype, strides, device); None tensors left out."""
+    groups: dict[tuple, list[int]] = {}
+    for i in idx:
+        x = named[i][1]
+        if isinstance(x, torch.Tensor):
+            groups.setdefault(tuple(key(x) for key in _SAME), []).append(i)
+    return list(groups.values())
+
+
+def _quantize_groups(named: list, groups: list[list[int]], fmt: BlockFp8Format,
+                     out: list) -> None:
+    """One launch per group, every scale in one buffer, one finite check for all of them:
+    `out[i]` gets tensor i's (e4m3, scale_inv) or why it cannot be quantized."""
+    device = named[groups[0][0]][1].device
+    addrs = fp8_kernel.address_table([named[i][1] for idx in groups for i in idx], device)
+    blocks = [fmt.scale_shape(named[idx[0]][1].shape) for idx in groups]
+    sizes = [len(idx) * b[0] * b[1] for idx, b in zip(groups, blocks, strict=True)]
+    scales = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+    done, at, first = [], 0, 0
+    for idx, b, size in zip(groups, blocks, sizes, strict=True):
+        x = named[idx[0]][1]
+        q = torch.empty((len(idx), *x.shape), dtype=fmt.dtype, device=device)
+        s = scales[at:at + size].view(len(idx), *b)
+        fp8_kernel.launch(addrs[first:first + len(idx)], x, q, s, fmt.block, fmt.ue8m0)
+        done.append((idx, q, s))
+        at, first = at + size, first + len(idx)
+    finite = bool(torch.isfinite(scales).all())  # the batch's one sync
+    for idx, q, s in done:
+        ok = [True] * len(idx) if finite else torch.isfinite(s).flatten(1).all(1).tolist()
+        for i, qi, si, good in zip(idx, q.unbind(0), s.unbind(0), ok, strict=True):
+            name, x = named[i]
+            out[i] = (qi, si) if good else (
+                f"{name}: {_nonfinite_summary(x, 1 << 16)}; cannot quantize to FP8")
 
 
 def _quantize_in_chunks(x: torch.Tensor, fmt: BlockFp8Format,

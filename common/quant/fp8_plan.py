@@ -136,6 +136,7 @@ class _BucketLayout:
     inner: tuple[int, ...]
     targets: tuple[tuple[int, str], ...]  # (position, its scale's name)
     scales: tuple[tuple[int, str], ...]  # (position, name)
+    groups: tuple[tuple[int, ...], ...]  # indices into `targets` of one inner shape and dtype
 
 
 class Fp8Source:
@@ -165,26 +166,23 @@ class Fp8Source:
             names, tensors = list(layout.names), [None] * len(layout.names)
             for k in layout.inner:
                 names[k], tensors[k] = next(inner)
-            self._quantize(names, tensors, layout.targets, scales)
+            self._quantize(names, tensors, layout, scales)
             for k, name in layout.scales:
                 tensors[k] = scales.pop(name, None)
             yield from zip(names, tensors, strict=True)
             del names, tensors
 
-    def _quantize(self, names: list[str], tensors: list, targets: tuple[tuple[int, str], ...],
+    def _quantize(self, names: list[str], tensors: list, layout: _BucketLayout,
                   scales: dict) -> None:
         """The bucket's targets (held on this rank) replaced by their e4m3 tensors, their
         scales kept in `scales` (a target not held here: None for both)."""
-        mine = [(k, scale) for k, scale in targets if tensors[k] is not None]
-        done = quantize_batch([(names[k], tensors[k]) for k, _ in mine], self.targets.fmt)
-        for (k, scale), result in zip(mine, done, strict=True):
-            if isinstance(result, str):
-                tensors[k] = scales[scale] = RefusedTensor(f"not quantized to FP8: {result}")
+        done = quantize_batch([(names[k], tensors[k]) for k, _ in layout.targets],
+                              self.targets.fmt, layout.groups)
+        for (k, scale), result in zip(layout.targets, done, strict=True):
+            if result is None or isinstance(result, tuple):
+                tensors[k], scales[scale] = result or (None, None)
             else:
-                tensors[k], scales[scale] = result
-        for k, scale in targets:
-            if tensors[k] is None:
-                scales[scale] = None
+                tensors[k] = scales[scale] = RefusedTensor(f"not quantized to FP8: {result}")
 
     def _bucket_layouts(self, plan: RefitPlan) -> list[_BucketLayout]:
         """Each bucket's `_BucketLayout` (made once per plan)."""
@@ -194,11 +192,16 @@ class Fp8Source:
         for bucket in plan.buckets:
             names = tuple(s.name for s in plan.bucket_specs(bucket))
             is_scale = [n in self._scale_names for n in names]
+            targets = tuple((k, scale_name(n)) for k, n in enumerate(names)
+                            if n in self.targets.names)
+            groups: dict[tuple, list[int]] = {}
+            for t, (k, _) in enumerate(targets):
+                spec = self._inner_specs[names[k]]
+                groups.setdefault((spec.shape, spec.dtype), []).append(t)
             layouts.append(_BucketLayout(
-                names, tuple(k for k, sc in enumerate(is_scale) if not sc),
-                tuple((k, scale_name(n)) for k, n in enumerate(names)
-                      if n in self.targets.names),
-                tuple((k, n) for k, n in enumerate(names) if is_scale[k])))
+                names, tuple(k for k, sc in enumerate(is_scale) if not sc), targets,
+                tuple((k, n) for k, n in enumerate(names) if is_scale[k]),
+                tuple(map(tuple, groups.values()))))
         self._layouts[plan.digest] = layouts
         return layouts
 

@@ -36,6 +36,7 @@ from common.errors import (
     RefitError,
     TensorMismatchError,
 )
+from common.gc_pause import gc_paused
 from common.kernels import native
 from common.packing import byte_view
 from common.plan import Bucket, RefitPlan
@@ -101,9 +102,11 @@ class RefitSender(Endpoint):
 
     def refit(self, source: WeightSource, version: int) -> RefitStats:
         """Send one complete set of weights, tagged `version`; returns this rank's stats.
-        With deltas on, the shadows take this version only if it landed on every rank."""
+        With deltas on, the shadows take this version only if it landed on every rank.
+        Python's garbage collector is paused meanwhile (`common.gc_pause`)."""
         try:
-            stats = self._refit(source, version)
+            with gc_paused():
+                stats = self._refit(source, version)
         except BaseException:
             if self.shadows is not None:
                 self.shadows.abort()  # the engines hold (or rolled back to) the last version

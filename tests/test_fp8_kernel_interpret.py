@@ -1,0 +1,123 @@
+"""The Triton block-FP8 kernel on a machine without a GPU: Triton's interpreter
+(`TRITON_INTERPRET=1`, in a child process: it is read when the kernel is defined) runs the
+real kernel on CPU tensors, through the batch path the FP8 source uses (`quantize_batch` with
+a plan's groups: one launch per shape, every scale in one buffer, one finite check).
+
+The interpreter's float-to-e4m3 cast does not round like the GPU's, so the data are exact:
+each block is a power of two times e4m3 values, with 448 in it (its scale is then exactly that
+power of two and every value divides exactly). What this checks is the addressing: tensors by
+address table, partial blocks, strides, scale views into a shared buffer, groups split where
+the plan's guess is wrong, a NaN refused by name. Bit-for-bit rounding is the H200's test
+(`tests/test_gpu_fp8.py`), as are UE8M0 scales (libdevice, which the interpreter lacks).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+VALUES = E4M3[E4M3.isfinite() & (E4M3.abs() <= 448)]
+
+
+def exact(shape: tuple[int, int], block: tuple[int, int], seed: int,
+          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """e4m3 values times one power of two per block, 448 first in each block."""
+    g = torch.Generator().manual_seed(seed)
+    k = VALUES[torch.randint(len(VALUES), shape, generator=g)]
+    (bm, bn), (m, n) = block, shape
+    e = torch.randint(-12, 6, (-(-m // bm), -(-n // bn)), generator=g).float()
+    scale = torch.pow(2.0, e).repeat_interleave(bm, 0).repeat_interleave(bn, 1)[:m, :n]
+    k[::bm, ::bn] = 448.0
+    return (k * scale).to(dtype)
+
+
+def check_batch(block: tuple[int, int], ue8m0: bool) -> int:
+    """One batch through the kernel, every result against the torch path; the launches."""
+    from common.kernels import fp8_kernel
+    from common.quant.fp8_blocks import BlockFp8Format, _quantize_in_chunks, quantize_batch
+
+    fmt = BlockFp8Format(block, ue8m0=ue8m0)
+    xs = [exact((200, 300), block, i) for i in range(3)] + [exact((128, 128), block, 7)]
+    xs += [exact((300, 200), block[::-1], 8).t(), exact((129, 257), block, 9, torch.float32),
+           exact((1, 300), block, 10)]
+    xs[1][:block[0], :block[1]] = 0  # an all-zero block: the clamped scale
+    bad = exact((200, 300), block, 11)
+    bad[150, 7] = float("nan")
+    named = [(f"w{i}", x) for i, x in enumerate(xs)] + [("bad", bad), ("elsewhere", None)]
+    # the plan's guess: w0-w2 and bad share a shape; w3 with the transposed one is wrong
+    groups = [(0, 1, 2, 7), (3, 4), (5,), (6,), (8,)]
+    launches = []
+    real = fp8_kernel.launch
+
+    def counted(addrs, *args, **kwargs):
+        launches.append(len(addrs))
+        return real(addrs, *args, **kwargs)
+
+    fp8_kernel.launch, fp8_kernel.available = counted, lambda x, b: x.numel() > 0
+    try:
+        out = quantize_batch(named, fmt, groups)
+    finally:
+        fp8_kernel.launch = real
+    assert sorted(launches) == [1, 1, 1, 1, 4], launches  # the wrong group split in two
+    assert out[8] is None
+    assert out[7].startswith("bad: 1 NaN and 0 inf") and "(150, 7)" in out[7], out[7]
+    for (name, x), got in zip(named[:7], out[:7], strict=True):
+        rq, rs = _quantize_in_chunks(x, fmt, 1 << 23)
+        assert torch.equal(got[0].view(torch.uint8), rq.view(torch.uint8)), name
+        assert torch.equal(got[1].view(torch.int32), rs.view(torch.int32)), name
+    return len(out)
+
+
+def check_source() -> int:
+    """`Fp8Source` over a plan: its buckets' shape groups go through the kernel; every
+    yielded weight and scale equals the torch path's, the norm passes as it is."""
+    from common.config import RefitConfig
+    from common.kernels import fp8_kernel
+    from common.plan import RefitPlan
+    from common.quant.fp8_blocks import BlockFp8Format, _quantize_in_chunks
+    from common.quant.fp8_plan import Fp8Source, Fp8Targets, scale_name
+    from common.source import DictWeightSource
+
+    fmt = BlockFp8Format()
+    weights = {f"layers.{i}.proj.weight": exact(shape, fmt.block, i)
+               for i, shape in enumerate([(200, 300)] * 3 + [(128, 64)] * 2)}
+    weights["norm.weight"] = torch.ones(300, dtype=torch.bfloat16)
+    source = Fp8Source(DictWeightSource(weights),
+                       Fp8Targets(fmt, frozenset(n for n in weights if "proj" in n)))
+    plan = RefitPlan.build(source.plan_specs(), RefitConfig(bucket_bytes=1 << 17))
+    fp8_kernel.available = lambda x, b: x.numel() > 0
+    got = dict(source.iter_tensors(plan))
+    assert len(got) == len(plan.specs) == 11 and len(plan.buckets) > 1
+    assert got["norm.weight"] is weights["norm.weight"]
+    for name, x in weights.items():
+        if name != "norm.weight":
+            rq, rs = _quantize_in_chunks(x, fmt, 1 << 23)
+            assert torch.equal(got[name].view(torch.uint8), rq.view(torch.uint8)), name
+            assert torch.equal(got[scale_name(name)].view(torch.int32), rs.view(torch.int32))
+    return len(got)
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    # UE8M0 scales need libdevice's log2 / exp2, which the interpreter lacks (the H200 tests)
+    checked = sum(check_batch(block, ue8m0=False) for block in [(128, 128), (64, 32)])
+    checked += check_source()
+    print(f"ok {checked}")
+
+
+def test_fp8_kernel_under_triton_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-m", "tests.test_fp8_kernel_interpret"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "ok 29", run.stdout[-500:]
+
+
+if __name__ == "__main__":
+    main()
