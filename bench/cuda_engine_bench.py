@@ -135,7 +135,7 @@ def bench_model(name: str, root: Path, refits: int, quick: bool) -> dict:
             "refit_s": per["refit_s"], "apply_over_copy": direct / copy,
             "load_weights_over_apply": loaders / direct,
             "direct_path": report.get("path"), "direct_why": report.get("why"),
-            "direct_layers": report.get("layers"),
+            "direct_layers": report.get("layers"), "direct_reopened": report.get("reopened"),
             "direct_split_s": {**{k: statistics.median(x[k] for x in per["split"])
                                   for k in per["split"][0] if k.endswith("_s")},
                                "device_post_s": statistics.median(per["device_post_s"][1:])},

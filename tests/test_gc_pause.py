@@ -1,6 +1,7 @@
 """The sender pauses Python's garbage collector for a refit and gives it back as it was: on,
 off (a trainer managing collection itself, as Megatron's `--manual-gc`), and after a source
-that fails mid-refit. A world-size-1 gloo group in this process."""
+that fails mid-refit; left alone with `REFIT_GC_PAUSE=0`. A world-size-1 gloo group in this
+process."""
 
 from __future__ import annotations
 
@@ -59,3 +60,12 @@ def test_gc_paused_during_a_refit_and_restored(sender_for, enabled) -> None:
         assert broken.seen == [False] * 3 and gc.isenabled() == enabled
     finally:
         gc.enable()
+
+
+def test_gc_left_alone_when_switched_off(sender_for, monkeypatch) -> None:
+    tensors, sender = sender_for
+    monkeypatch.setenv("REFIT_GC_PAUSE", "0")
+    gc.enable()
+    source = WatchingSource(tensors)
+    sender.refit(source, 1)
+    assert source.seen == [True] * 8

@@ -14,7 +14,7 @@ Tensors the map cannot express keep `load_weights`. Only vLLM processes import t
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +130,7 @@ class DirectLoad:
              or (model_format(m) and kinds.get(p) != COPY)])
         self.processed = torch.nn.ModuleList(
             [self.modules[p] for p, k in kinds.items() if k == PROCESS])
+        report["reopened"] = dict(Counter(type(m).__name__ for m in self.reloaded))
         self.shapes = self._live_shapes()
         self.bases = np.zeros(len(dests), dtype=np.int64)
         self.dest_index: dict[str, list[int]] = defaultdict(list)
@@ -191,6 +192,7 @@ class DirectLoad:
         serving tensors the runs write into, resolved by name now: a refit may replace them);
         `direct_only`: for the processed layers of the map alone (a re-apply, see `verify`).
         Returns what was opened: the module to finalise the reload on."""
+        t0 = time.perf_counter()
         self.times = {"copy_s": 0.0, "process_s": 0.0}  # this refit's, for the apply report
         opened = self.processed if direct_only else self.reloaded
         initialize_layerwise_reload(opened)
@@ -204,6 +206,7 @@ class DirectLoad:
         for path in self.consts:
             if self.kinds[path] == COPY:
                 self._fill_consts(path)
+        self.times["begin_s"] = time.perf_counter() - t0
         return opened
 
     def load(self, index: int, items: Items,

@@ -76,6 +76,9 @@ def test_direct_refits_equal_load_weights_bit_for_bit(pair) -> None:
     assert share >= 0.9, f"{arch}: only {share:.1%} of the bytes applied directly: {report}"
     if arch != "deepseek_v3":  # its fp32 router bias is loaded into a live tensor: loaders
         assert report["fallback_tensors"] == 0, report
+    # what each refit reopens of vLLM's reload (every processed layer), and where its time went
+    assert sum(report["reopened"].values()) >= report["layers"].get("process", 0) > 0, report
+    assert {"begin_s", "copy_s", "finalize_s", "fixes_s", "check_s"} <= report["last_refit"].keys()
     assert engines[1].apply_reports() == [{"path": "load_weights", "needs_reported": False}]
 
 

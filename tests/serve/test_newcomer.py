@@ -42,6 +42,7 @@ if dist.get_rank() == 0:
     trained.load_state_dict(full)
     trained.save_pretrained(sys.argv[3])
     open(sys.argv[-1], "w").write('{"saved": true}')
+dist.destroy_process_group()  # as the recipes do: no process group left to the exit
 '''
 
 
@@ -53,6 +54,7 @@ full = gather_full(source, refit.RefitPlan.build(source.plan_specs(), refit.Refi
 if dist.get_rank() == 0:
     write_checkpoint(full, DENSE, sys.argv[2])
     open(sys.argv[-1], "w").write('{"saved": true}')
+dist.destroy_process_group()  # as the recipes do: no process group left to the exit
 '''
 
 
