@@ -47,6 +47,7 @@ def cluster(tmp_path_factory):
     from ray.cluster_utils import Cluster
 
     temp = str(tmp_path_factory.mktemp("ray"))
+    _default_dir_exists()
     nodes = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"trainer_node": 2}, "temp_dir": temp})
     try:
@@ -60,6 +61,16 @@ def cluster(tmp_path_factory):
     finally:
         ray.shutdown()
         nodes.shutdown()
+
+
+def _default_dir_exists() -> None:
+    """`Cluster` writes the head's address into Ray's default temp dir whatever `temp_dir`
+    says, and fails on a machine where no Ray ever ran (it does not create that dir)."""
+    try:
+        from ray._common.utils import get_ray_address_file
+    except ImportError:  # Ray releases before the move
+        from ray._private.utils import get_ray_address_file
+    os.makedirs(os.path.dirname(get_ray_address_file(None)), exist_ok=True)
 
 
 def _node_ips(ray, group) -> set[str]:

@@ -32,6 +32,7 @@ from tests.serve.test_survives import pairs
 pytestmark = pytest.mark.slow
 FAULTS = Path(__file__).with_name("newcomer_faults.py")
 MEGATRON_LEN = 64
+TEARDOWN = "dist.destroy_process_group()\n"  # how each quick start ends
 EPILOGUE = '''
 # -- the test's own epilogue: the trained weights as a checkpoint, for a fresh server --
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -42,7 +43,6 @@ if dist.get_rank() == 0:
     trained.load_state_dict(full)
     trained.save_pretrained(sys.argv[3])
     open(sys.argv[-1], "w").write('{"saved": true}')
-dist.destroy_process_group()  # as the recipes do: no process group left to the exit
 '''
 
 
@@ -54,7 +54,6 @@ full = gather_full(source, refit.RefitPlan.build(source.plan_specs(), refit.Refi
 if dist.get_rank() == 0:
     write_checkpoint(full, DENSE, sys.argv[2])
     open(sys.argv[-1], "w").write('{"saved": true}')
-dist.destroy_process_group()  # as the recipes do: no process group left to the exit
 '''
 
 
@@ -69,14 +68,22 @@ def test_newcomer_fsdp2_quick_start_runs_as_written(server, checkpoints, tmp_pat
     refit_lines = [line for line in block.splitlines() if "refit" in line]
     assert len(refit_lines) <= 10, refit_lines
     trained = tmp_path / "trained"
-    _run_block(block + EPILOGUE, tmp_path, "quickstart", server.url, str(checkpoints.start),
-               str(trained), nproc=2)
+    _run_block(_with_epilogue(block, EPILOGUE), tmp_path, "quickstart", server.url,
+               str(checkpoints.start), str(trained), nproc=2)
     got = _served(server.url)
     with VllmServer(serve_config(trained, "newcomer-fresh")) as fresh:
         want = pairs(fresh.client(timeout_s=TIMEOUT_S).generate(PROMPTS, SHORT))
     assert got == want, "the quick start's server differs from a fresh one on its weights"
     log = Path(server.config.log_path).read_text()  # the backend's own lines, in vLLM's log
     assert "refit v1 landed in" in log and "refit v2 landed in" in log, log[-3000:]
+
+
+def _with_epilogue(block: str, epilogue: str) -> str:
+    """The quick start as written, the test's epilogue run just before its last line (the
+    process groups' teardown, which the epilogue's gathers still need)."""
+    assert block.rstrip().endswith(TEARDOWN.strip()), "the quick start no longer ends so"
+    head = block.rstrip()[: -len(TEARDOWN.strip())]
+    return head + epilogue + block.rstrip()[len(head):] + "\n"
 
 
 def _run_block(code: str, tmp_path: Path, name: str, *argv: str, nproc: int) -> None:
@@ -99,11 +106,11 @@ def test_newcomer_megatron_quick_start_runs_as_written(tmp_path) -> None:
     block = docs_block("newcomer: megatron")
     assert len([line for line in block.splitlines() if "refit" in line]) <= 10
     start, trained = tmp_path / "start", tmp_path / "trained"
-    _run_block(block[:block.index("with refit.connect(")] + MEGATRON_WEIGHTS, tmp_path,
-               "weights", "unused", str(start), nproc=4)
+    _run_block(_with_epilogue(block[:block.index("with refit.connect(")] + TEARDOWN,
+                              MEGATRON_WEIGHTS), tmp_path, "weights", "unused", str(start), nproc=4)
     with VllmServer(_short(start, "newcomer-megatron")) as server:
-        _run_block(block + MEGATRON_WEIGHTS, tmp_path, "quickstart", server.url, str(trained),
-                   nproc=4)
+        _run_block(_with_epilogue(block, MEGATRON_WEIGHTS), tmp_path, "quickstart", server.url,
+                   str(trained), nproc=4)
         got = _served(server.url)
     with VllmServer(_short(trained, "newcomer-megatron-fresh")) as fresh:
         want = pairs(fresh.client(timeout_s=TIMEOUT_S).generate(PROMPTS, SHORT))
