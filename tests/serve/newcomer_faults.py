@@ -27,10 +27,13 @@ def main() -> None:
     source = refit.DictWeightSource(dict(model.state_dict()))
     if mode == "wrong_rank" and dist.get_rank() == 1:
         time.sleep(600)  # never calls connect: rank 0 must name it, torchrun stops this one
-    with refit.connect(source, [url], timeout_s=TIMEOUT_S) as session:
-        session.refit(int(version))
-        if mode == "raise_mid_training":
-            raise RuntimeError(f"rank {dist.get_rank()}: the training step failed")
+    try:
+        with refit.connect(source, [url], timeout_s=TIMEOUT_S) as session:
+            session.refit(int(version))
+            if mode == "raise_mid_training":
+                raise RuntimeError(f"rank {dist.get_rank()}: the training step failed")
+    finally:
+        dist.destroy_process_group()  # an exit with live gloo groups may abort
 
 
 if __name__ == "__main__":
