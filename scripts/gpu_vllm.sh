@@ -2,7 +2,7 @@
 # On the GPU machine, after the CUDA vLLM chunks were carried (../shared/tools/cuda_vllm/prepare.sh):
 # unpacks them (and megatron-core, when .whl/mcore holds its wheel), then runs
 #   scripts/gpu_vllm.sh tests   the `-m gpu_vllm` engine tests (FP8 too) beside the serve ones, then
-#                               the CUDA FP8 quantizer's tests
+#                               the CUDA FP8 quantizer's and the NCCL sender's tests
 #   scripts/gpu_vllm.sh recipes the FSDP2 and Megatron recipes against a CUDA `vllm serve`
 #   scripts/gpu_vllm.sh bench   bench/cuda_engine_bench.py alone (its figures want the machine to itself)
 #   scripts/gpu_vllm.sh sweep   the sender sweep, its calibration run, the FP8 bench (no vLLM: no chunks)
@@ -30,7 +30,8 @@ case "${1:-tests}" in
     run tests/gpu_vllm/test_cuda_engine.py tests/gpu_vllm/test_cuda_fp8.py > "$out/gpu_engine.log" 2>&1 & engine=$!
     run tests/gpu_vllm/test_cuda_serve.py > "$out/gpu_serve.log" 2>&1
     serve=$?
-    python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py > "$out/gpu_fp8_kernel.log" 2>&1
+    python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py tests/test_gpu.py \
+      > "$out/gpu_fp8_kernel.log" 2>&1
     kernel=$?; wait $engine; engine=$?
     tail -n 3 "$out/gpu_engine.log" "$out/gpu_serve.log" "$out/gpu_fp8_kernel.log"
     exit $(( serve || engine || kernel ));;
