@@ -1,7 +1,8 @@
 """The Triton block-FP8 kernel on a machine without a GPU: Triton's interpreter
 (`TRITON_INTERPRET=1`, in a child process: it is read when the kernel is defined) runs the
 real kernel on CPU tensors, through the batch path the FP8 source uses (`quantize_batch` with
-a plan's groups: one launch per shape, every scale in one buffer, one finite check).
+a plan's groups: one launch per shape, every scale in one buffer, one finite check; the
+addresses from the native bucket scan).
 
 The interpreter's float-to-e4m3 cast does not round like the GPU's, so the data are exact:
 each block is a power of two times e4m3 values, with 448 in it (its scale is then exactly that
@@ -78,7 +79,7 @@ def check_source() -> int:
     """`Fp8Source` over a plan: its buckets' shape groups go through the kernel; every
     yielded weight and scale equals the torch path's, the norm passes as it is."""
     from common.config import RefitConfig
-    from common.kernels import fp8_kernel
+    from common.kernels import fp8_kernel, native
     from common.plan import RefitPlan
     from common.quant.fp8_blocks import BlockFp8Format, _quantize_in_chunks
     from common.quant.fp8_plan import Fp8Source, Fp8Targets, scale_name
@@ -86,14 +87,15 @@ def check_source() -> int:
 
     fmt = BlockFp8Format()
     weights = {f"layers.{i}.proj.weight": exact(shape, fmt.block, i)
-               for i, shape in enumerate([(200, 300)] * 3 + [(128, 64)] * 2)}
+               for i, shape in enumerate([(200, 300), (128, 64)] * 3)}  # groups interleave
     weights["norm.weight"] = torch.ones(300, dtype=torch.bfloat16)
     source = Fp8Source(DictWeightSource(weights),
                        Fp8Targets(fmt, frozenset(n for n in weights if "proj" in n)))
     plan = RefitPlan.build(source.plan_specs(), RefitConfig(bucket_bytes=1 << 17))
     fp8_kernel.available = lambda x, b: x.numel() > 0
     got = dict(source.iter_tensors(plan))
-    assert len(got) == len(plan.specs) == 11 and len(plan.buckets) > 1
+    assert len(got) == len(plan.specs) == 13 and len(plan.buckets) > 1
+    assert source._scans or native.load() is None  # the native scan's addresses were used
     assert got["norm.weight"] is weights["norm.weight"]
     for name, x in weights.items():
         if name != "norm.weight":
@@ -116,7 +118,7 @@ def test_fp8_kernel_under_triton_interpreter() -> None:
     run = subprocess.run([sys.executable, "-m", "tests.test_fp8_kernel_interpret"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip().splitlines()[-1] == "ok 29", run.stdout[-500:]
+    assert run.stdout.strip().splitlines()[-1] == "ok 31", run.stdout[-500:]
 
 
 if __name__ == "__main__":

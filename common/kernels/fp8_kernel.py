@@ -14,6 +14,7 @@ the scale's correctly rounded reciprocal and rounded to nearest into e4m3 (satur
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -61,11 +62,12 @@ if triton is not None:
         tl.store(s + (t64 * blocks_m + pid_m) * blocks_n + pid_n, sf)
 
 
-def address_table(xs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The tensors' addresses on `device`, for `launch`. Pinned and non-blocking on CUDA: a
+def address_table(ptrs: Sequence[int] | np.ndarray, device: torch.device) -> torch.Tensor:
+    """Tensor addresses on `device`, for `launch`. Pinned and non-blocking on CUDA: a
     pageable upload would wait for the stream to drain."""
-    table = torch.tensor(list(map(torch.Tensor.data_ptr, xs)), dtype=torch.int64,
-                         pin_memory=device.type == "cuda")
+    table = torch.as_tensor(ptrs, dtype=torch.int64)
+    if device.type == "cuda":
+        table = table.pin_memory()
     return table.to(device, non_blocking=True)
 
 
@@ -93,7 +95,7 @@ def quantize_many(xs: list[torch.Tensor], block: tuple[int, int],
     (m, n), (bm, bn) = x.shape, block
     q = torch.empty((len(xs), m, n), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((len(xs), -(-m // bm), -(-n // bn)), dtype=torch.float32, device=x.device)
-    launch(address_table(xs, x.device), x, q, s, block, ue8m0)
+    launch(address_table([t.data_ptr() for t in xs], x.device), x, q, s, block, ue8m0)
     return q, s
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
+import numpy as np
 import torch
 
 from common.kernels import fp8_kernel
@@ -134,18 +135,25 @@ def quantize(name: str, x: torch.Tensor, fmt: BlockFp8Format, *,
 
 def quantize_batch(named: list[tuple[str, torch.Tensor | None]], fmt: BlockFp8Format,
                    groups: Sequence[Sequence[int]] | None = None,
+                   addresses: np.ndarray | None = None,
                    ) -> list[tuple[torch.Tensor, torch.Tensor] | str | None]:
     """`quantize` of each (name, tensor), bit for bit the same, or why it cannot be (a
     string naming the tensor); None for a None tensor (not held here). On CUDA the tensors of
     one shape, dtype and strides go in one launch (`fp8_kernel.launch`), their scales into one
     buffer checked for non-finite values once (one sync per batch); elsewhere one by one.
     `groups`: positions expected to share a shape and dtype (a plan's), checked here; found
-    tensor by tensor when not given."""
+    tensor by tensor when not given. `addresses`: every tensor's address, from a caller that
+    found them all contiguous on one device with the shapes and dtypes `groups` assume (the
+    native bucket scan); the groups are then taken as they are."""
     out: list = [None] * len(named)
-    launched = _kernel_groups(named, groups if groups is not None else
-                              [range(len(named))], fmt)
-    if launched:
-        _quantize_groups(named, launched, fmt, out)
+    if groups is not None and addresses is not None:
+        groups = [list(idx) for idx in groups if idx and _launchable(named[idx[0]][1], fmt)]
+    else:
+        addresses = None
+        groups = _kernel_groups(named, groups if groups is not None else [range(len(named))],
+                                fmt)
+    if groups:
+        _quantize_groups(named, groups, fmt, out, addresses)
     for i, (name, x) in enumerate(named):
         if out[i] is None and x is not None:
             try:
@@ -170,12 +178,14 @@ def _kernel_groups(named: list, groups: Sequence[Sequence[int]],
             if len(xs) > 1:
                 out += _kernel_groups(named, _by_key(named, idx), fmt)
             continue
-        x = xs[0]
-        if (x.dim() == 2 and x.dtype in _INPUT_DTYPES and fp8_kernel.available(x, fmt.block)
-                and device in (None, x.device)):
-            device = x.device
+        if _launchable(xs[0], fmt) and device in (None, xs[0].device):
+            device = xs[0].device
             out.append(list(idx))
     return out
+
+
+def _launchable(x: torch.Tensor, fmt: BlockFp8Format) -> bool:
+    return x.dim() == 2 and x.dtype in _INPUT_DTYPES and fp8_kernel.available(x, fmt.block)
 
 
 def _uniform(xs: list) -> bool:
@@ -195,12 +205,15 @@ def _by_key(named: list, idx: Sequence[int]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _quantize_groups(named: list, groups: list[list[int]], fmt: BlockFp8Format,
-                     out: list) -> None:
+def _quantize_groups(named: list, groups: list[list[int]], fmt: BlockFp8Format, out: list,
+                     addresses: np.ndarray | None) -> None:
     """One launch per group, every scale in one buffer, one finite check for all of them:
     `out[i]` gets tensor i's (e4m3, scale_inv) or why it cannot be quantized."""
     device = named[groups[0][0]][1].device
-    addrs = fp8_kernel.address_table([named[i][1] for idx in groups for i in idx], device)
+    order = [i for idx in groups for i in idx]
+    addrs = fp8_kernel.address_table(
+        addresses[order] if addresses is not None else [named[i][1].data_ptr() for i in order],
+        device)
     blocks = [fmt.scale_shape(named[idx[0]][1].shape) for idx in groups]
     sizes = [len(idx) * b[0] * b[1] for idx, b in zip(groups, blocks, strict=True)]
     scales = torch.empty(sum(sizes), dtype=torch.float32, device=device)

@@ -17,10 +17,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common.checkpoint import checkpoint_tensors
 from common.errors import FormatMismatchError
+from common.kernels import fp8_kernel, native
 from common.plan import RefitPlan, TensorSpec
 from common.quant.fp8_blocks import BlockFp8Format, quantize_batch
 from common.source import RefusedTensor, WeightSource
@@ -150,6 +152,7 @@ class Fp8Source:
         self._scale_names = frozenset(scale_name(n) for n in targets.names)
         self._inner_plans: dict[str, RefitPlan] = {}
         self._layouts: dict[str, list[_BucketLayout]] = {}
+        self._scans: dict[tuple, native.BucketScan] = {}  # (id(layout), device): its targets
 
     def plan_specs(self) -> list[TensorSpec]:
         return fp8_specs(list(self._inner_specs.values()), self.targets)
@@ -176,13 +179,28 @@ class Fp8Source:
                   scales: dict) -> None:
         """The bucket's targets (held on this rank) replaced by their e4m3 tensors, their
         scales kept in `scales` (a target not held here: None for both)."""
-        done = quantize_batch([(names[k], tensors[k]) for k, _ in layout.targets],
-                              self.targets.fmt, layout.groups)
+        named = [(names[k], tensors[k]) for k, _ in layout.targets]
+        done = quantize_batch(named, self.targets.fmt, layout.groups,
+                              self._addresses(layout, named))
         for (k, scale), result in zip(layout.targets, done, strict=True):
             if result is None or isinstance(result, tuple):
                 tensors[k], scales[scale] = result or (None, None)
             else:
                 tensors[k] = scales[scale] = RefusedTensor(f"not quantized to FP8: {result}")
+
+    def _addresses(self, layout: _BucketLayout, named: list) -> np.ndarray | None:
+        """The targets' addresses when one native pass finds every one contiguous on one
+        device with its planned shape and dtype (the layout's groups then hold as planned);
+        None without the kernel, the native module, or where any is not so."""
+        x = named[0][1] if named else None
+        if not isinstance(x, torch.Tensor) or not fp8_kernel.available(x, self.targets.fmt.block):
+            return None
+        if (scan := self._scans.get((id(layout), x.device))) is None:
+            if (module := native.load()) is None:
+                return None
+            specs = [self._inner_specs[name] for name, _ in named]
+            scan = self._scans[id(layout), x.device] = native.BucketScan(module, specs, x.device)
+        return scan.take(named)[1]
 
     def _bucket_layouts(self, plan: RefitPlan) -> list[_BucketLayout]:
         """Each bucket's `_BucketLayout` (made once per plan)."""
