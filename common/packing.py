@@ -58,7 +58,9 @@ class BucketLayout:
                 views.append(None)
                 self.misaligned.append(i)
         self.views = views
-        self.kernels = self._kernels(base) if kernel_available(buffer.device) else []
+        # the pack kernels, built by the first pack (or `warm`): a layout that only unpacks
+        # (every receiver's) never pays their tables, pinned staging and events
+        self._built_kernels: list[tuple[np.ndarray | None, BufferKernel]] | None = None
         # CPU: runs of back-to-back slots of one dtype are packed by one `torch.cat` each
         self.runs = self._runs() if buffer.device.type == "cpu" else []
         in_runs = {i for lo, hi, _ in self.runs for i in range(lo, hi)}
@@ -74,8 +76,16 @@ class BucketLayout:
         self._cpu_table: tuple[torch.Tensor, torch.Tensor] | None = None  # copy_bytes' tables
         self._unpacked: list[tuple[str, torch.Tensor]] | None = None
 
+    @property
+    def kernels(self) -> list[tuple[np.ndarray | None, BufferKernel]]:
+        """One pointer-table kernel per copy unit (the widest of 8/4/2/1 bytes that fits);
+        none without Triton on CUDA."""
+        if self._built_kernels is None:
+            self._built_kernels = (self._kernels(self.buffer.data_ptr())
+                                   if kernel_available(self.buffer.device) else [])
+        return self._built_kernels
+
     def _kernels(self, base: int) -> list[tuple[np.ndarray | None, BufferKernel]]:
-        """One pointer-table kernel per copy unit (the widest of 8/4/2/1 bytes that fits)."""
         by_unit: dict[int, list[int]] = {}
         for i, view in enumerate(self.views):
             if view is not None and self.specs[i].nbytes:
