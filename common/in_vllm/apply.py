@@ -111,23 +111,20 @@ class DirectLoad:
 
     def __init__(self, model: torch.nn.Module, dests: list[Dest], kinds: dict[str, str],
                  runs: dict[int, BucketRuns], report: dict,
-                 consts: dict[str, list[tuple[int, np.ndarray, int, Any]]]) -> None:
+                 consts: dict[str, list[tuple[int, np.ndarray, int, Any]]],
+                 fallback_layers: frozenset[str] | None = None) -> None:
         """`consts`: per layer, the loaders' one-value fills (dest index, byte offsets, run,
-        value): rewritten each refit, where no received byte lands (padding rows)."""
+        value): rewritten each refit, where no received byte lands (padding rows).
+        `fallback_layers`: the layers the `load_weights` fallback loads into; None when some
+        fallback tensor's layer is not known."""
         self.model, self.dests, self.kinds, self.runs = model, dests, kinds, runs
         self.consts = consts
         self.report = report
         self.plan_digest = report["plan_digest"]
         self.modules = dict(model.named_modules())
         self.paths = {m: p for p, m in self.modules.items()}
-        # what vLLM's reload must open each refit: every layer with loadable tensors but the
-        # copy ones, and the attention layers that hold weights (their processing at the end
-        # of the reload derives from them, e.g. MLA's from its kv_b_proj); one without any
-        # would only have its processing redone on unchanged inputs
         self.reloaded = torch.nn.ModuleList(
-            [m for p, m in self.modules.items()
-             if (is_deferred_attention_layer(m) and any(map(model_format, m.modules())))
-             or (model_format(m) and kinds.get(p) != COPY)])
+            [self.modules[p] for p in self._reopened(fallback_layers)])
         self.processed = torch.nn.ModuleList(
             [self.modules[p] for p, k in kinds.items() if k == PROCESS])
         report["reopened"] = dict(Counter(type(m).__name__ for m in self.reloaded))
@@ -140,6 +137,25 @@ class DirectLoad:
         # bucket -> its runs from a compact payload, and its fallback tensors' offsets there
         self.compact: dict[int, tuple[BucketCopy, list[tuple[int, int]]]] = {}
         self.hashes: LoadedHashes | None = None  # set by the caller for one refit
+
+    def _reopened(self, fallback: frozenset[str] | None) -> list[str]:
+        """What vLLM's reload must open each refit: the layers processed after their runs, the
+        ones the fallback loads into, and the attention layers holding one of those (their
+        processing at the end of the reload derives from them, e.g. MLA's from its
+        kv_b_proj). An attention layer nothing loads into keeps what it holds (reopened it
+        would only redo its processing: its scales refilled, a device sync each). Where a
+        fallback tensor's layer is unknown: every layer with loadable tensors but the copy
+        ones, every attention layer holding any."""
+        kinds, modules = self.kinds, self.modules
+        if fallback is None:
+            return [p for p, m in modules.items()
+                    if (is_deferred_attention_layer(m) and any(map(model_format, m.modules())))
+                    or (model_format(m) and kinds.get(p) != COPY)]
+        loaded = {p for p, k in kinds.items() if k == PROCESS} | fallback
+        written = loaded | set(kinds)
+        return [p for p, m in modules.items() if p in loaded or (
+            is_deferred_attention_layer(m)
+            and any(q == p or q.startswith(p + ".") for q in written))]
 
     def _live_shapes(self) -> dict[Dest, tuple]:
         live = {}

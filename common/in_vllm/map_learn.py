@@ -52,7 +52,9 @@ def learn(model: torch.nn.Module, plan: RefitPlan, recorder: CopyRecorder,
     report["layers"] = dict(Counter(kinds.values()))
     fills = {p: [(dest_ids[d], dst, n, value) for d, dst, n, value in c]
              for p, c in consts.items() if p in kinds}
-    direct = DirectLoad(model, dests, kinds, runs, report, fills)
+    fed_tensors = set().union(*fed.values())
+    fallback_layers = None if bad_tensors.keys() - fed_tensors else frozenset(bad_layers)
+    direct = DirectLoad(model, dests, kinds, runs, report, fills, fallback_layers)
     needs = direct.use_compact(plan)
     report.update(needs_bytes=needs.nbytes(), needs_digest=needs.digest[:16])
     return direct
