@@ -153,9 +153,10 @@ class DirectLoad:
                     or (model_format(m) and kinds.get(p) != COPY)]
         loaded = {p for p, k in kinds.items() if k == PROCESS} | fallback
         written = loaded | set(kinds)
+        # by module, not by path: MLA's kv_b_proj is also registered under its attention
         return [p for p, m in modules.items() if p in loaded or (
             is_deferred_attention_layer(m)
-            and any(q == p or q.startswith(p + ".") for q in written))]
+            and any(self.paths.get(sub) in written for sub in m.modules()))]
 
     def _live_shapes(self) -> dict[Dest, tuple]:
         live = {}
