@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,11 +128,11 @@ class DirectLoad:
         self.processed = torch.nn.ModuleList(
             [self.modules[p] for p, k in kinds.items() if k == PROCESS])
         report["reopened"] = dict(Counter(type(m).__name__ for m in self.reloaded))
-        self.shapes = self._live_shapes()
         self.bases = np.zeros(len(dests), dtype=np.int64)
         self.dest_index: dict[str, list[int]] = defaultdict(list)
         for i, dest in enumerate(dests):
             self.dest_index[dest.layer].append(i)
+        self.shapes = self._live_shapes()
         self.need: Needs | None = None  # what it reads of each bucket (`use_compact`)
         # bucket -> its runs from a compact payload, and its fallback tensors' offsets there
         self.compact: dict[int, tuple[BucketCopy, list[tuple[int, int]]]] = {}
@@ -158,13 +158,18 @@ class DirectLoad:
             is_deferred_attention_layer(m)
             and any(self.paths.get(sub) in written for sub in m.modules()))]
 
-    def _live_shapes(self) -> dict[Dest, tuple]:
-        live = {}
-        for dest in self.dests:
-            if self.kinds[dest.layer] == COPY:
-                t = get_layer_tensors(self.modules[dest.layer])[dest.name]
-                live[dest] = (t.shape, t.stride(), t.dtype)
-        return live
+    def _live_shapes(self) -> dict[int, tuple]:
+        """Each copy layer's dests' serving tensors' (shape, strides, dtype), by dest index."""
+        return {i: (t.shape, t.stride(), t.dtype) for i, t in self._copy_dests()}
+
+    def _copy_dests(self) -> Iterator[tuple[int, torch.Tensor | None]]:
+        """(dest index, its serving tensor now, or None) of every copy layer's dests: each
+        layer's tensors looked up once (a lookup builds a dict of the layer's tensors)."""
+        for path, idx in self.dest_index.items():
+            if self.kinds.get(path) == COPY:
+                live = get_layer_tensors(self.modules[path])
+                for i in idx:
+                    yield i, live.get(self.dests[i].name)
 
     def needs(self, plan: RefitPlan) -> Needs:
         """The bytes of each bucket this worker reads (`common.shard.needs`): its runs' sources and
@@ -198,10 +203,10 @@ class DirectLoad:
 
     def stale(self) -> str | None:
         """Why the map no longer fits the serving tensors (then a refit relearns it)."""
-        for dest, shape in self.shapes.items():
-            t = get_layer_tensors(self.modules[dest.layer]).get(dest.name)
-            if t is None or (t.shape, t.stride(), t.dtype) != shape:
-                return f"{dest.param_name} changed shape or dtype since the map was learned"
+        for i, t in self._copy_dests():
+            if t is None or (t.shape, t.stride(), t.dtype) != self.shapes[i]:
+                return (f"{self.dests[i].param_name} changed shape or dtype since the map was "
+                        f"learned")
         return None
 
     def begin(self, direct_only: bool = False) -> torch.nn.Module:
@@ -217,9 +222,8 @@ class DirectLoad:
             if self.kinds.get(self.paths.get(layer)) == COPY:  # a copy layer inside another
                 _place_kernel_tensors(layer, LAYERWISE_INFO[layer])
                 LAYERWISE_INFO[layer].reset()
-        for i, dest in enumerate(self.dests):
-            if self.kinds[dest.layer] == COPY:
-                self.bases[i] = get_layer_tensors(self.modules[dest.layer])[dest.name].data_ptr()
+        for i, t in self._copy_dests():
+            self.bases[i] = t.data_ptr()
         for path in self.consts:
             if self.kinds[path] == COPY:
                 self._fill_consts(path)
