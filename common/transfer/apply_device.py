@@ -1,9 +1,9 @@
 """The device a receiver applies on: host staging onto it, and the apply's time there.
 
 Host staging: a refit group on the host whose worker applies on a GPU (a CUDA engine refit by
-CPU trainers over gloo) copies each frame into one reused buffer there, then loads it. Device
-time: on CUDA the loads return once their copies and processing are queued, so the host's
-clock (`RefitStats.load_s`) misses the work itself; an event pair around each frame's apply and
+CPU trainers over gloo) copies each frame into one reused buffer there (each bucket's views in
+it made once), then loads it. Device time: on CUDA the loads return once their copies and
+processing are queued, so the host's clock (`RefitStats.load_s`) misses the work itself; an event pair around each frame's apply and
 the post-load step measures it on the device's own timeline (the staging copy before it and
 the waits on the wire between frames fall outside every pair).
 """
@@ -16,6 +16,8 @@ from contextlib import contextmanager
 
 import torch
 
+from common.packing import BucketLayout
+from common.plan import Bucket, RefitPlan
 from common.stats import RefitStats
 
 
@@ -26,6 +28,9 @@ class ApplyDevice:
     def __init__(self) -> None:
         self.device: torch.device | None = None
         self._staged: torch.Tensor | None = None
+        # bucket -> its views in the staging buffer, made while it stays at `_staged_at`
+        self._layouts: dict[int, BucketLayout] = {}
+        self._staged_at = 0
         self.pairs: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     def buffers(self) -> list[torch.Tensor]:
@@ -44,6 +49,18 @@ class ApplyDevice:
         staged.copy_(payload)
         stats.stage_s += time.perf_counter() - t0
         return staged
+
+    def staged_views(self, bucket: Bucket, target: torch.Tensor,
+                     plan: RefitPlan) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's (name, view) in the staging buffer `target`, the views made once while
+        that buffer stays where it is (making every tensor's view per frame cost more than
+        the copy)."""
+        if self._staged_at != target.data_ptr():  # the buffer moved (grew): all are stale
+            self._staged_at, self._layouts = target.data_ptr(), {}
+        if (layout := self._layouts.get(bucket.index)) is None:
+            layout = self._layouts[bucket.index] = BucketLayout(
+                target, plan.specs[bucket.start:bucket.stop], bucket.offsets)
+        return layout.unpack()
 
     @contextmanager
     def timing(self, device: torch.device, label: str) -> Iterator[None]:

@@ -12,7 +12,7 @@ import torch
 from common.delta.frames import DELTA, WHOLE, DeltaReceive, delta_modes, set_keys
 from common.delta.store import NO_BASE, FrameStore
 from common.errors import RefitAborted, RefitError
-from common.packing import BucketLayout, first_differing
+from common.packing import first_differing
 from common.plan import Bucket, RefitPlan
 from common.shard.needs import Needs
 from common.shard.replan import Route
@@ -57,9 +57,6 @@ class RefitReceiver(Endpoint):
         self.undo_refusal: str | None = NO_UNDO  # why the last failed refit cannot roll back
         # where the worker applies (host staging onto it), and the apply's device time there
         self.apply = ApplyDevice()
-        # bucket -> its views in the staging buffer, made while it stays at `_staged_at`
-        self._staged_layouts: dict[int, BucketLayout] = {}
-        self._staged_at = 0
 
     def keep_base_of(self, old: RefitReceiver | None) -> None:
         """Carry `old`'s base over (a new group for the same plan: the next refit can still
@@ -334,18 +331,8 @@ class RefitReceiver(Endpoint):
             spec = self.plan.specs[bucket.start]
             return [(spec.name, target.view(spec.dtype).view(spec.shape))]
         if target.device != self.group.device:  # staged onto the apply device
-            return self._staged_layout(bucket, target).unpack()
+            return self.apply.staged_views(bucket, target, self.plan)
         return self.layouts[bucket.index].unpack()
-
-    def _staged_layout(self, bucket: Bucket, target: torch.Tensor) -> BucketLayout:
-        """The bucket's views in the staging buffer, made once while that buffer stays where
-        it is (it is reused: making every tensor's view per frame cost more than the copy)."""
-        if self._staged_at != target.data_ptr():  # the buffer moved (grew): all are stale
-            self._staged_at, self._staged_layouts = target.data_ptr(), {}
-        if (held := self._staged_layouts.get(bucket.index)) is None:
-            held = self._staged_layouts[bucket.index] = BucketLayout(
-                target, self.plan.specs[bucket.start:bucket.stop], bucket.offsets)
-        return held
 
     def verify_bytes(self, bucket: Bucket, header: Header, payload: torch.Tensor,
                      expected: int, stats: RefitStats,
