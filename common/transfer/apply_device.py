@@ -3,9 +3,10 @@
 Host staging: a refit group on the host whose worker applies on a GPU (a CUDA engine refit by
 CPU trainers over gloo) copies each frame into one reused buffer there (each bucket's views in
 it made once), then loads it. Device time: on CUDA the loads return once their copies and
-processing are queued, so the host's clock (`RefitStats.load_s`) misses the work itself; an event pair around each frame's apply and
-the post-load step measures it on the device's own timeline (the staging copy before it and
-the waits on the wire between frames fall outside every pair).
+processing are queued, so the host's clock (`RefitStats.load_s`) misses the work itself; an
+event pair around each frame's apply and the post-load step measures it on the device's own
+timeline (the staging copy before it and the waits on the wire between frames fall outside
+every pair).
 """
 
 from __future__ import annotations
