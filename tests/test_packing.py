@@ -101,3 +101,29 @@ def test_first_differing_tensor_skips_the_alignment_padding() -> None:
     assert first_differing(specs, offsets, base, other) == 1
     other[0] += 1
     assert first_differing(specs, offsets, base, other) == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_staged_views_made_once_per_staging_buffer(device: str) -> None:
+    """Host staging: each bucket's views into the reused staging buffer are made once (the
+    same view objects each refit, reading whatever the buffer holds now) and made anew
+    when the buffer moves; a receiver's layouts never build pack kernels."""
+    from common.transfer.apply_device import ApplyDevice
+
+    specs = [TensorSpec(f"w{i}", (4, 8), torch.bfloat16) for i in range(6)]
+    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=1024))
+    first, second = plan.buckets[:2]
+    staging, apply = torch.empty(4096, dtype=torch.uint8, device=device), ApplyDevice()
+    for fill in (1.0, 2.0):
+        staging.view(torch.bfloat16).fill_(fill)
+        views = apply.staged_views(first, staging[: first.nbytes], plan)
+        assert [n for n, _ in views] == [s.name for s in plan.bucket_specs(first)]
+        assert all(bool((v == fill).all()) for _, v in views)
+    again = apply.staged_views(first, staging[: first.nbytes], plan)
+    assert all(a is b for (_, a), (_, b) in zip(views, again, strict=True))
+    other = apply.staged_views(second, staging[: second.nbytes], plan)
+    assert [n for n, _ in other] == [s.name for s in plan.bucket_specs(second)]
+    moved = torch.zeros(8192, dtype=torch.uint8, device=device)  # the buffer grew elsewhere
+    views = apply.staged_views(first, moved[: first.nbytes], plan)
+    assert all(v.data_ptr() >= moved.data_ptr() and bool((v == 0).all()) for _, v in views)
+    assert all(layout._built_kernels is None for layout in apply._layouts.values())
