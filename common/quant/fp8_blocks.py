@@ -227,11 +227,13 @@ def _quantize_groups(named: list, groups: list[list[int]], fmt: BlockFp8Format, 
         at, first = at + size, first + len(idx)
     finite = bool(torch.isfinite(scales).all())  # the batch's one sync
     for idx, q, s in done:
-        ok = [True] * len(idx) if finite else torch.isfinite(s).flatten(1).all(1).tolist()
-        for i, qi, si, good in zip(idx, q.unbind(0), s.unbind(0), ok, strict=True):
-            name, x = named[i]
-            out[i] = (qi, si) if good else (
-                f"{name}: {_nonfinite_summary(x, 1 << 16)}; cannot quantize to FP8")
+        for i, qi, si in zip(idx, q.unbind(0), s.unbind(0), strict=True):
+            out[i] = (qi, si)
+        if not finite:  # find the tensors with NaN / inf and say where
+            for i, good in zip(idx, torch.isfinite(s).flatten(1).all(1).tolist(), strict=True):
+                if not good:
+                    name, x = named[i]
+                    out[i] = f"{name}: {_nonfinite_summary(x, 1 << 16)}; cannot quantize to FP8"
 
 
 def _quantize_in_chunks(x: torch.Tensor, fmt: BlockFp8Format,
