@@ -87,20 +87,13 @@ def launch(addrs: torch.Tensor, like: torch.Tensor, q: torch.Tensor, s: torch.Te
         _quantize_blocks[grid](*args, **consts)
 
 
-def quantize_many(xs: list[torch.Tensor], block: tuple[int, int],
-                  ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tensors of one shape, dtype, strides and CUDA device in one launch: (e4m3 values
-    [len(xs), m, n], float32 scale_inv [len(xs), blocks_m, blocks_n]); item i holds xs[i]'s."""
-    x = xs[0]
-    (m, n), (bm, bn) = x.shape, block
-    q = torch.empty((len(xs), m, n), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((len(xs), -(-m // bm), -(-n // bn)), dtype=torch.float32, device=x.device)
-    launch(address_table([t.data_ptr() for t in xs], x.device), x, q, s, block, ue8m0)
-    return q, s
-
-
 def quantize(x: torch.Tensor, block: tuple[int, int],
              ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values of x's shape, float32 scale_inv per block) of the 2-D CUDA tensor `x`."""
-    q, s = quantize_many([x], block, ue8m0)
+    """(e4m3 values of x's shape, float32 scale_inv per block) of the 2-D CUDA tensor `x`
+    (a batch of one shape goes through `launch` with its own address table)."""
+    (m, n), (bm, bn) = x.shape, block
+    q = torch.empty((1, m, n), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((1, triton.cdiv(m, bm), triton.cdiv(n, bn)), dtype=torch.float32,
+                    device=x.device)
+    launch(address_table([x.data_ptr()], x.device), x, q, s, block, ue8m0)
     return q[0], s[0]
