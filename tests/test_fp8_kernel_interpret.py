@@ -83,7 +83,7 @@ def check_source() -> int:
     from common.plan import RefitPlan
     from common.quant.fp8_blocks import BlockFp8Format, _quantize_in_chunks
     from common.quant.fp8_plan import Fp8Source, Fp8Targets, scale_name
-    from common.source import DictWeightSource
+    from common.source import DictWeightSource, RefusedTensor
 
     fmt = BlockFp8Format()
     weights = {f"layers.{i}.proj.weight": exact(shape, fmt.block, i)
@@ -93,7 +93,16 @@ def check_source() -> int:
                        Fp8Targets(fmt, frozenset(n for n in weights if "proj" in n)))
     plan = RefitPlan.build(source.plan_specs(), RefitConfig(bucket_bytes=1 << 17))
     fp8_kernel.available = lambda x, b: x.numel() > 0
-    got = dict(source.iter_tensors(plan))
+    launches, real = [], fp8_kernel.launch
+    fp8_kernel.launch = lambda *args, **kw: launches.append(1) or real(*args, **kw)
+    try:
+        it = source.iter_tensors(plan)
+        got = dict([next(it)])
+        layouts = source._bucket_layouts(plan)  # the second bucket launched before the first
+        assert len(launches) == len(layouts[0].groups) + len(layouts[1].groups), launches
+        got.update(it)
+    finally:
+        fp8_kernel.launch = real
     assert len(got) == len(plan.specs) == 13 and len(plan.buckets) > 1
     assert source._scans or native.load() is None  # the native scan's addresses were used
     assert got["norm.weight"] is weights["norm.weight"]
@@ -102,7 +111,13 @@ def check_source() -> int:
             rq, rs = _quantize_in_chunks(x, fmt, 1 << 23)
             assert torch.equal(got[name].view(torch.uint8), rq.view(torch.uint8)), name
             assert torch.equal(got[scale_name(name)].view(torch.int32), rs.view(torch.int32))
-    return len(got)
+    first = layouts[0].names[layouts[0].targets[0][0]]  # a NaN in the first bucket: refused
+    weights[first] = weights[first].clone()  # before that bucket is yielded, by name
+    weights[first][3, 4] = float("nan")
+    bad = dict(source.iter_tensors(plan))
+    for name in (first, scale_name(first)):
+        assert isinstance(bad[name], RefusedTensor) and "1 NaN" in bad[name].reason, bad[name]
+    return len(got) + 1
 
 
 def main() -> None:
@@ -118,7 +133,7 @@ def test_fp8_kernel_under_triton_interpreter() -> None:
     run = subprocess.run([sys.executable, "-m", "tests.test_fp8_kernel_interpret"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip().splitlines()[-1] == "ok 31", run.stdout[-500:]
+    assert run.stdout.strip().splitlines()[-1] == "ok 32", run.stdout[-500:]
 
 
 if __name__ == "__main__":

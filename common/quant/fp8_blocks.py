@@ -14,6 +14,7 @@ CUDA, Triton's approximate fp32 division may differ from its eager ops.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -138,13 +139,22 @@ def quantize_batch(named: list[tuple[str, torch.Tensor | None]], fmt: BlockFp8Fo
                    addresses: np.ndarray | None = None,
                    ) -> list[tuple[torch.Tensor, torch.Tensor] | str | None]:
     """`quantize` of each (name, tensor), bit for bit the same, or why it cannot be (a
-    string naming the tensor); None for a None tensor (not held here). On CUDA the tensors of
-    one shape, dtype and strides go in one launch (`fp8_kernel.launch`), their scales into one
-    buffer checked for non-finite values once (one sync per batch); elsewhere one by one.
-    `groups`: positions expected to share a shape and dtype (a plan's), checked here; found
-    tensor by tensor when not given. `addresses`: every tensor's address, from a caller that
-    found them all contiguous on one device with the shapes and dtypes `groups` assume (the
-    native bucket scan); the groups are then taken as they are."""
+    string naming the tensor); None for a None tensor (not held here): `start_batch`, then
+    its results."""
+    return start_batch(named, fmt, groups, addresses).results()
+
+
+def start_batch(named: list[tuple[str, torch.Tensor | None]], fmt: BlockFp8Format,
+                groups: Sequence[Sequence[int]] | None = None,
+                addresses: np.ndarray | None = None) -> Fp8Batch:
+    """Launch `quantize` of each (name, tensor). On CUDA the tensors of one shape, dtype and
+    strides go in one launch (`fp8_kernel.launch`), their scales into one buffer whose
+    non-finite check is read back when the results are asked for (no wait for the device
+    here); elsewhere one by one, now. `groups`: positions expected to share a shape and dtype
+    (a plan's), checked here; found tensor by tensor when not given. `addresses`: every
+    tensor's address, from a caller that found them all contiguous on one device with the
+    shapes and dtypes `groups` assume (the native bucket scan); the groups are then taken as
+    they are."""
     out: list = [None] * len(named)
     if groups is not None and addresses is not None:
         groups = [list(idx) for idx in groups if idx and _launchable(named[idx[0]][1], fmt)]
@@ -152,15 +162,62 @@ def quantize_batch(named: list[tuple[str, torch.Tensor | None]], fmt: BlockFp8Fo
         addresses = None
         groups = _kernel_groups(named, groups if groups is not None else [range(len(named))],
                                 fmt)
-    if groups:
-        _quantize_groups(named, groups, fmt, out, addresses)
-    for i, (name, x) in enumerate(named):
-        if out[i] is None and x is not None:
+    batch = Fp8Batch(named, out, *_launch_groups(named, groups, fmt, addresses)) if groups \
+        else Fp8Batch(named, out, [], None)
+    for i in sorted(set(range(len(named))) - set(itertools.chain.from_iterable(groups))):
+        name, x = named[i]  # the rest (none, when the plan's groups held): one by one
+        if x is not None:
             try:
                 out[i] = quantize(name, x, fmt)
             except ValueError as e:
                 out[i] = str(e)
-    return out
+    return batch
+
+
+class Fp8Batch:
+    """A launched batch: `results()` waits for its launches (on CUDA an event, then the
+    one-byte non-finite flag already copied to the host) and gives, per tensor, what
+    `quantize` would: (e4m3, scale_inv), why not (naming it), or None (not held here)."""
+
+    def __init__(self, named: list, out: list, done: list, finite: _FiniteFlag | None) -> None:
+        self._named, self._out, self._done, self._finite = named, out, done, finite
+
+    def results(self) -> list[tuple[torch.Tensor, torch.Tensor] | str | None]:
+        if self._done:
+            finite = self._finite.value()
+            for idx, q, s in self._done:
+                for i, qi, si in zip(idx, q.unbind(0), s.unbind(0), strict=True):
+                    self._out[i] = (qi, si)
+                if not finite:  # find the tensors with NaN / inf and say where
+                    bad = torch.isfinite(s).flatten(1).all(1).tolist()
+                    for i, good in zip(idx, bad, strict=True):
+                        if not good:
+                            name, x = self._named[i]
+                            self._out[i] = (f"{name}: {_nonfinite_summary(x, 1 << 16)}; "
+                                            "cannot quantize to FP8")
+            self._done = []
+        return self._out
+
+
+class _FiniteFlag:
+    """Whether every value of a device tensor is finite, read back without waiting now: on
+    CUDA copied into pinned host memory behind the stream's work, an event after it."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        flag = torch.isfinite(values).all()
+        self._event = None
+        if flag.is_cuda:
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            flag = host
+        self._flag = flag
+
+    def value(self) -> bool:
+        if self._event is not None:
+            self._event.synchronize()
+        return bool(self._flag)
 
 
 def _kernel_groups(named: list, groups: Sequence[Sequence[int]],
@@ -205,10 +262,10 @@ def _by_key(named: list, idx: Sequence[int]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _quantize_groups(named: list, groups: list[list[int]], fmt: BlockFp8Format, out: list,
-                     addresses: np.ndarray | None) -> None:
-    """One launch per group, every scale in one buffer, one finite check for all of them:
-    `out[i]` gets tensor i's (e4m3, scale_inv) or why it cannot be quantized."""
+def _launch_groups(named: list, groups: list[list[int]], fmt: BlockFp8Format,
+                   addresses: np.ndarray | None) -> tuple[list, _FiniteFlag]:
+    """One launch per group, every scale in one buffer with one finite check for all:
+    (positions, e4m3 values, scales) per group, and the check."""
     device = named[groups[0][0]][1].device
     order = [i for idx in groups for i in idx]
     addrs = fp8_kernel.address_table(
@@ -225,15 +282,7 @@ def _quantize_groups(named: list, groups: list[list[int]], fmt: BlockFp8Format, 
         fp8_kernel.launch(addrs[first:first + len(idx)], x, q, s, fmt.block, fmt.ue8m0)
         done.append((idx, q, s))
         at, first = at + size, first + len(idx)
-    finite = bool(torch.isfinite(scales).all())  # the batch's one sync
-    for idx, q, s in done:
-        for i, qi, si in zip(idx, q.unbind(0), s.unbind(0), strict=True):
-            out[i] = (qi, si)
-        if not finite:  # find the tensors with NaN / inf and say where
-            for i, good in zip(idx, torch.isfinite(s).flatten(1).all(1).tolist(), strict=True):
-                if not good:
-                    name, x = named[i]
-                    out[i] = f"{name}: {_nonfinite_summary(x, 1 << 16)}; cannot quantize to FP8"
+    return done, _FiniteFlag(scales)
 
 
 def _quantize_in_chunks(x: torch.Tensor, fmt: BlockFp8Format,

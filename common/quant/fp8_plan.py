@@ -24,7 +24,7 @@ from common.checkpoint import checkpoint_tensors
 from common.errors import FormatMismatchError
 from common.kernels import fp8_kernel, native
 from common.plan import RefitPlan, TensorSpec
-from common.quant.fp8_blocks import BlockFp8Format, quantize_batch
+from common.quant.fp8_blocks import BlockFp8Format, Fp8Batch, start_batch
 from common.source import RefusedTensor, WeightSource
 
 SCALE_SUFFIX = "_scale_inv"
@@ -160,33 +160,45 @@ class Fp8Source:
     def iter_tensors(self, plan: RefitPlan) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Per plan spec in plan order: the inner source's tensor, a target quantized, or a
         target's scale (from its weight, which comes first: each source's order holds in any
-        plan, interleaved too). A bucket's targets are quantized together (`quantize_batch`:
-        one launch per shape on CUDA), so its inner tensors are alive together; the per-spec
-        work is laid out once per plan (`_BucketLayout`), none of it per tensor and refit."""
+        plan, interleaved too). A bucket's targets are quantized together (`start_batch`:
+        one launch per shape on CUDA), and the next bucket's are launched before this one's
+        are checked and yielded, so the device quantizes while the host sends: two buckets'
+        inner tensors are alive together. The per-spec work is laid out once per plan
+        (`_BucketLayout`), none of it per tensor and refit."""
         inner = self.inner.iter_tensors(self._inner_plan(plan))
         scales: dict[str, torch.Tensor | RefusedTensor | None] = {}
+        ahead = None  # the bucket launched last: (layout, names, tensors, batch)
         for layout in self._bucket_layouts(plan):
             names, tensors = list(layout.names), [None] * len(layout.names)
             for k in layout.inner:
                 names[k], tensors[k] = next(inner)
-            self._quantize(names, tensors, layout, scales)
-            for k, name in layout.scales:
-                tensors[k] = scales.pop(name, None)
-            yield from zip(names, tensors, strict=True)
-            del names, tensors
+            launched = (layout, names, tensors, self._start(names, tensors, layout))
+            if ahead is not None:
+                yield from self._settled(*ahead, scales)
+            ahead = launched
+            del names, tensors, launched
+        if ahead is not None:
+            yield from self._settled(*ahead, scales)
 
-    def _quantize(self, names: list[str], tensors: list, layout: _BucketLayout,
-                  scales: dict) -> None:
-        """The bucket's targets (held on this rank) replaced by their e4m3 tensors, their
-        scales kept in `scales` (a target not held here: None for both)."""
+    def _start(self, names: list[str], tensors: list, layout: _BucketLayout) -> Fp8Batch:
+        """The quantization of the bucket's targets (held on this rank), launched."""
         named = [(names[k], tensors[k]) for k, _ in layout.targets]
-        done = quantize_batch(named, self.targets.fmt, layout.groups,
-                              self._addresses(layout, named))
-        for (k, scale), result in zip(layout.targets, done, strict=True):
+        return start_batch(named, self.targets.fmt, layout.groups,
+                           self._addresses(layout, named))
+
+    @staticmethod
+    def _settled(layout: _BucketLayout, names: list[str], tensors: list, batch: Fp8Batch,
+                 scales: dict) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """The bucket's (name, tensor), its targets replaced by their e4m3 tensors (a target
+        not held here: None) and their scales kept in `scales` until their places come."""
+        for (k, scale), result in zip(layout.targets, batch.results(), strict=True):
             if result is None or isinstance(result, tuple):
                 tensors[k], scales[scale] = result or (None, None)
             else:
                 tensors[k] = scales[scale] = RefusedTensor(f"not quantized to FP8: {result}")
+        for k, name in layout.scales:
+            tensors[k] = scales.pop(name, None)
+        yield from zip(names, tensors, strict=True)
 
     def _addresses(self, layout: _BucketLayout, named: list) -> np.ndarray | None:
         """The targets' addresses when one native pass finds every one contiguous on one
