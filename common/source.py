@@ -35,7 +35,9 @@ class WeightSource(Protocol):
     `(name, tensor)` per plan spec in plan order on every training rank, running whatever
     collectives (gathers) it needs there; on a rank that is not a spec's source the tensor may
     be None. The sender drains the iterator even after an error, so those collectives stay in
-    the same order on every rank.
+    the same order on every rank. A yielded tensor must keep its values while the sender holds
+    it, the next bucket's tensors taken meanwhile (an FP8 refit reads a bucket after taking the
+    next): a source must not write the next tensors into the memory of earlier ones.
     """
 
     def plan_specs(self) -> list[TensorSpec]: ...
