@@ -162,8 +162,7 @@ def start_batch(named: list[tuple[str, torch.Tensor | None]], fmt: BlockFp8Forma
         addresses = None
         groups = _kernel_groups(named, groups if groups is not None else [range(len(named))],
                                 fmt)
-    batch = Fp8Batch(named, out, *_launch_groups(named, groups, fmt, addresses)) if groups \
-        else Fp8Batch(named, out, [], None)
+    done, finite = _launch_groups(named, groups, fmt, addresses) if groups else ([], None)
     for i in sorted(set(range(len(named))) - set(itertools.chain.from_iterable(groups))):
         name, x = named[i]  # the rest (none, when the plan's groups held): one by one
         if x is not None:
@@ -171,7 +170,7 @@ def start_batch(named: list[tuple[str, torch.Tensor | None]], fmt: BlockFp8Forma
                 out[i] = quantize(name, x, fmt)
             except ValueError as e:
                 out[i] = str(e)
-    return batch
+    return Fp8Batch(named, out, done, finite)
 
 
 class Fp8Batch:
