@@ -187,14 +187,16 @@ def sender_sweep() -> str:
     for run in SWEEP_RUNS:
         report = _load(run)
         for name, v in report["lists"].items():
-            by = {(c["bucket_mib"], c["buffers"]): c for c in v["cases"] if not c["checksum"]}
-            for mib in sorted({m for m, _ in by}):
+            by = {(c.get("graph_send", False), c["bucket_mib"], c["buffers"]): c
+                  for c in v["cases"] if not c["checksum"]}
+            for graph, mib in sorted({(g, m) for g, m, _ in by}):
                 cells = [f"{_ms(c['median_s'])} ({c['over_copy']:.2f}x)" if (c := by.get(
-                    (mib, nb))) else "-" for nb in (1, 2, 3)]
+                    (graph, mib, nb))) else "-" for nb in (1, 2, 3)]
                 rows.append([f"`{run}`", _machine(report["hardware"]),
-                             f"{name}: {v['tensors']:,} tensors", str(mib), *cells])
-    return _table(["results file", "hardware", "list", "bucket MiB", "1 buffer ms (x copy)",
-                   "2 buffers", "3 buffers"], rows)
+                             f"{name}: {v['tensors']:,} tensors",
+                             "graph replay" if graph else "eager", str(mib), *cells])
+    return _table(["results file", "hardware", "list", "frames", "bucket MiB",
+                   "1 buffer ms (x copy)", "2 buffers", "3 buffers"], rows)
 
 
 def fp8() -> str:

@@ -6,7 +6,8 @@ for the synthetic 20,000-tensor MoE list and the Qwen3-30B-A3B-shaped list; chec
 on. On CPU (`--quick`) the usual gloo group of 2 trainers + 1 receiver, so the wire is in it.
 The last line is one JSON object; its summary keys: `worst_sender_over_copy_2buf` (checksums
 off, the worst list and bucket size with 2 buffers), `two_over_three_buffers_max` (2 buffers'
-time over 3 buffers', the worst case), the same with checksums on (`*_checksum`).
+time over 3 buffers', the worst case), the same with checksums on (`*_checksum`) and with each
+frame sent as one CUDA graph replay (`*_graph`, `RefitConfig.graph_send`; CUDA only).
 
     python3 bench/sender_sweep.py --out bench/results/sender_sweep_h200.json      # one H200
     OMP_NUM_THREADS=1 .venv/bin/python bench/sender_sweep.py --quick --out /tmp/sweep.json
@@ -79,15 +80,17 @@ def sweep_list(group: RefitGroup, name: str, shapes: Shapes,
     def barrier() -> None:
         group.all_gather_bytes(b"", 8, f"{name} barrier")
 
-    for checksum in args.checksums:
+    for checksum, graph in ((c, g) for g in args.graph_sends for c in args.checksums):
         os.environ["REFIT_CHECKSUM"] = "1" if checksum else "0"  # RefitConfig.from_env
+        os.environ["REFIT_GRAPH_SEND"] = "1" if graph else "0"
         for mib in args.bucket_mibs:
             for nb in args.buffer_counts:
                 case = argparse.Namespace(**{**vars(args), "bucket_bytes": mib << 20})
                 source = DictWeightSource(mine) if group.is_trainer else None
                 times, stats = time_refits(group, specs, source, nb, case, barrier)
-                out["cases"].append({"checksum": checksum, "bucket_mib": mib, "buffers": nb,
-                                     "times_s": times, "stats": stats})
+                out["cases"].append({"checksum": checksum, "graph_send": graph,
+                                     "bucket_mib": mib, "buffers": nb, "times_s": times,
+                                     "stats": stats})
     return out
 
 
@@ -116,7 +119,8 @@ def _report(ranks: list[dict[str, Any]], group: RefitGroup,
             per_rep = [max(r[name]["cases"][i]["times_s"][k] for r in ranks)
                        for k in range(len(case["times_s"]))]
             med = statistics.median(per_rep)
-            rows.append({**{k: case[k] for k in ("checksum", "bucket_mib", "buffers")},
+            rows.append({**{k: case[k] for k in ("checksum", "graph_send", "bucket_mib",
+                                                 "buffers")},
                          "median_s": round(med, 6), "reps_s": [round(t, 6) for t in per_rep],
                          "over_copy": round(med / first["copy_s"], 3),
                          "stats": {f"rank{j}": r[name]["cases"][i]["stats"]
@@ -126,7 +130,8 @@ def _report(ranks: list[dict[str, Any]], group: RefitGroup,
     report: dict[str, Any] = {"lists": lists, **summary(lists)}
     report["hardware"] = _hardware(group, args)
     report["settings"] = {"bucket_mibs": args.bucket_mibs, "buffers": args.buffer_counts,
-                          "checksums": args.checksums, "warmup": args.warmup,
+                          "checksums": args.checksums, "graph_sends": args.graph_sends,
+                          "warmup": args.warmup,
                           "reps": args.reps, "scale": args.scale,
                           "timing": "each rank times itself from a barrier; per rep the "
                                     "slowest rank; median; over_copy: over one device copy "
@@ -135,13 +140,15 @@ def _report(ranks: list[dict[str, Any]], group: RefitGroup,
 
 
 def summary(lists: dict[str, Any]) -> dict[str, float]:
-    """The issue's figures: the worst 2-buffer case over one copy, the worst 2 vs 3 buffers."""
+    """The issue's figures: the worst 2-buffer case over one copy, the worst 2 vs 3 buffers;
+    eager frames (no tag), then frames sent by graph replay (`_graph`)."""
     out: dict[str, float] = {}
-    for checksum, tag in ((False, ""), (True, "_checksum")):
+    for checksum, graph in ((c, g) for g in (False, True) for c in (False, True)):
+        tag = "_checksum" * checksum + "_graph" * graph
         over, ratios = [], []
         for v in lists.values():
             by = {(r["bucket_mib"], r["buffers"]): r for r in v["cases"]
-                  if r["checksum"] == checksum}
+                  if r["checksum"] == checksum and r.get("graph_send", False) == graph}
             over += [r["over_copy"] for (_, nb), r in by.items() if nb == 2]
             ratios += [r["median_s"] / by[mib, 3]["median_s"] for (mib, nb), r in by.items()
                        if nb == 2 and (mib, 3) in by]
@@ -158,6 +165,9 @@ def main() -> None:
     ap.add_argument("--bucket-mib", default="64,96,128,256", help="comma-separated sizes")
     ap.add_argument("--buffers", default="1,2,3", help="comma-separated buffer counts")
     ap.add_argument("--checksum", default="both", choices=["off", "on", "both"])
+    ap.add_argument("--graph-send", default=None, choices=["off", "on", "both"],
+                    help="frames by CUDA graph replay (RefitConfig.graph_send); default: both "
+                         "on CUDA, off on CPU")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=None, help="timed refits per case (3 / 5)")
     ap.add_argument("--scale", type=float, default=None, help="the model list's scale")
@@ -171,6 +181,8 @@ def main() -> None:
     args.bucket_mibs = [int(x) for x in args.bucket_mib.split(",")]
     args.buffer_counts = [int(x) for x in args.buffers.split(",")]
     args.checksums = {"off": [False], "on": [True], "both": [False, True]}[args.checksum]
+    graph = args.graph_send or ("off" if args.quick else "both")
+    args.graph_sends = {"off": [False], "on": [True], "both": [False, True]}[graph]
     args.reps = args.reps or (3 if args.quick else 5)
     args.timeout, args.scale = 300.0, args.scale or DEFAULT_MODEL_SCALE[args.shapes]
     args.deadline = 20 * args.timeout
@@ -180,7 +192,8 @@ def main() -> None:
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     for name, v in report["lists"].items():
         for r in v["cases"]:
-            print(f"{name:14s} checksum={int(r['checksum'])} {r['bucket_mib']:4d} MiB "
+            print(f"{name:14s} checksum={int(r['checksum'])} graph={int(r['graph_send'])} "
+                  f"{r['bucket_mib']:4d} MiB "
                   f"{r['buffers']} buf {r['median_s'] * 1e3:9.2f} ms  {r['over_copy']:6.2f}x copy")
     finish(report, summary(report["lists"]), args.out)
 

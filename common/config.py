@@ -29,8 +29,11 @@ _ENV = {
     "undo_bytes": ("REFIT_UNDO_BYTES", int),
     "shadow": ("REFIT_SHADOW", str),
     "interleave": ("REFIT_INTERLEAVE", boolean),
+    "graph_send": ("REFIT_GRAPH_SEND", boolean),
 }
 SHADOW_PLACES = ("device", "host")
+# Settings each trainer keeps for itself: not in the plan that rank 0 sends at setup.
+LOCAL_SETTINGS = ("shadow", "graph_send")
 
 
 class RefitConfigError(RefitError, ValueError):
@@ -78,6 +81,11 @@ class RefitConfig:
         in plan order, so any order works; what it gains at scale: docs/at-scale.md.
     shadow: where a trainer keeps its shadow: "device" (fastest) or "host" (pinned host memory,
         for memory-tight trainers; a copy to the device per frame). Local to each trainer.
+    graph_send: on CUDA (NCCL), each whole frame this trainer sources goes as one CUDA graph
+        replay: its pack, header, checksum and broadcast captured once per bucket
+        (`common.transfer.graph_frames`), so a bucket costs one host call instead of several;
+        frames that cannot (compact, delta, direct, an ABORT) go eagerly as before. Local to
+        each trainer; the receivers need nothing.
     """
 
     bucket_bytes: int = 256 << 20
@@ -91,6 +99,7 @@ class RefitConfig:
     undo_bytes: int = 0
     shadow: str = "device"
     interleave: bool = False
+    graph_send: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> RefitConfigError:
@@ -114,7 +123,7 @@ class RefitConfig:
             raise bad("num_buffers", "more than 16 buffers only costs memory")
         if self.alignment < 1 or self.alignment & (self.alignment - 1) or self.alignment > 4096:
             raise bad("alignment", "must be a power of two between 1 and 4096")
-        for field in ("checksum", "shard_to_shard", "delta", "interleave"):
+        for field in ("checksum", "shard_to_shard", "delta", "interleave", "graph_send"):
             if not isinstance(getattr(self, field), bool):
                 raise bad(field, "must be a bool")
         if not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:

@@ -7,6 +7,7 @@ buffer count. Both sides check it by digest, so buffers can never be sized indep
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -16,7 +17,7 @@ from functools import cached_property
 
 import torch
 
-from common.config import RefitConfig
+from common.config import LOCAL_SETTINGS, RefitConfig
 
 PLAN_FORMAT = 4  # 4: delta frames (headers name the next frame), undo log budget
 
@@ -182,6 +183,14 @@ class RefitPlan:
         config, specs = config or RefitConfig(), tuple(specs)
         return cls(tuple(interleave(specs, config)) if config.interleave else specs, config)
 
+    def with_local_settings(self, config: RefitConfig) -> RefitPlan:
+        """This plan with `config`'s trainer-local settings (`LOCAL_SETTINGS`: they do not
+        travel with the plan, so each trainer puts its own back on rank 0's)."""
+        local = {name: getattr(config, name) for name in LOCAL_SETTINGS}
+        if all(getattr(self.config, name) == value for name, value in local.items()):
+            return self
+        return RefitPlan(self.specs, dataclasses.replace(self.config, **local))
+
     @cached_property
     def total_bytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
@@ -211,7 +220,7 @@ class RefitPlan:
 
     def to_dict(self) -> dict:
         """Plain JSON-able form (plus the timeout, the checksum, shard-to-shard, delta and undo
-        switches and the digest; a trainer's shadow place stays with it) for sending once at
+        switches and the digest; a trainer's local settings stay with it) for sending once at
         setup: every rank takes rank 0's, and a switch leaves the digest (and so the engines'
         learned maps) as it is."""
         return {**self._body(), "timeout_s": self.config.timeout_s,

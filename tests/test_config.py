@@ -12,8 +12,10 @@ def test_env_overrides_and_explicit_overrides(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("REFIT_NUM_BUFFERS", "3")
     monkeypatch.setenv("REFIT_TIMEOUT_S", "12.5")
     monkeypatch.setenv("REFIT_CHECKSUM", "yes")
+    monkeypatch.setenv("REFIT_GRAPH_SEND", "on")
     c = RefitConfig.from_env()
     assert (c.bucket_bytes, c.num_buffers, c.timeout_s, c.checksum) == (1 << 20, 3, 12.5, True)
+    assert c.graph_send is True
     monkeypatch.setenv("REFIT_CHECKSUM", "0")
     assert RefitConfig.from_env().checksum is False
     assert RefitConfig.from_env(num_buffers=1).num_buffers == 1

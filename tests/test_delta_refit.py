@@ -87,8 +87,9 @@ def delta_rank(rank: int, world: int, port: int, fail_at: int | None = None,
     versions = (1, 2, 3, 4)
     if group.is_trainer:
         source = TwoSources(version_tensors(1))
-        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
-        out = {}
+        mine = dataclasses.replace(config, shadow="host") if rank == 1 else config  # local
+        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), mine))
+        out = {"shadow": sender.plan.config.shadow}
         for version in versions:
             try:
                 stats = sender.refit(TwoSources(version_tensors(version)), version)
@@ -139,6 +140,8 @@ def test_delta_refits_bit_for_bit_with_a_fraction_of_the_bytes() -> None:
         assert later["delta_frames"] > 0, res[rank]
         assert later["wire"] < 0.35 * first["wire"], (rank, first, later)
     assert res[0][3] == res[1][3]  # every trainer sees every receiver's figures
+    # where a trainer keeps its shadow is its own setting: rank 0's plan does not carry it
+    assert (res[0]["shadow"], res[1]["shadow"]) == ("device", "host")
 
 
 def test_rollback_after_a_loader_failure_then_the_next_delta_lands() -> None:

@@ -241,3 +241,63 @@ def test_a_cuda_refit_stamps_each_bucket_header_with_its_payload_hash() -> None:
             assert header.checksum == checksum.compute(sender.payload(bucket))
     finally:
         group.destroy()
+
+
+class OddSource(GatheringSource):
+    """Yields tensor `odd` from an address 8 bytes past 16-byte alignment (the pack kernel's
+    16-byte variant cannot take it), the rest as fresh copies."""
+
+    def __init__(self, tensors, odd: str) -> None:
+        super().__init__(tensors)
+        self.odd = odd
+
+    def iter_tensors(self, plan):
+        for name, tensor in super().iter_tensors(plan):
+            if name == self.odd:
+                raw = torch.empty(tensor.numel() * tensor.element_size() + 8, dtype=torch.uint8,
+                                  device=tensor.device)
+                tensor = raw[8:].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            yield name, tensor
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_graph_send_replays_each_frame_bit_for_bit(checksum: bool) -> None:
+    """NCCL, world size 1: with `graph_send` every packed bucket is one captured graph (pack,
+    header, checksum, broadcast); the frames still in the buffers after a second refit hold
+    its bytes, header and checksum; a source the captured kernel cannot take goes eagerly."""
+    from common.wire import checksum as sums
+    from common.wire.bucket_header import HEADER_BYTES, Header
+
+    group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
+                       num_trainers=1, timeout_s=60)
+    try:
+        versions = [model(v) for v in range(3)]
+        config = RefitConfig(bucket_bytes=32 * MIB, checksum=checksum, graph_send=True)
+        plan = RefitPlan.build(GatheringSource(versions[0]).plan_specs(), config)
+        sender = RefitSender.setup(group, plan)
+        packed = [b for b in plan.buckets if not b.direct]
+        for v in (1, 2):
+            sender.refit(GatheringSource(versions[v]), v)
+            assert sender.graphs.failure is None, sender.graphs.failure
+            assert (sender.graphs.captured, sender.graphs.replays) == (len(packed),
+                                                                        v * len(packed))
+        torch.cuda.synchronize()
+        for bucket in {b.index % sender.num_buffers: b for b in packed}.values():
+            header = Header.decode(sender.bucket_buffer(bucket)[:HEADER_BYTES].cpu())
+            assert (header.bucket, header.version, header.checksummed) == (bucket.index, 2,
+                                                                           checksum)
+            if checksum:
+                assert header.checksum == sums.compute(sender.payload(bucket))
+            for name, got in sender.layouts[bucket.index].unpack():
+                assert torch.equal(got, versions[2][name]), name
+        last = packed[-1]
+        odd = plan.bucket_specs(last)[-1].name
+        sender.refit(OddSource(versions[1], odd), 3)  # the last bucket eagerly
+        torch.cuda.synchronize()
+        assert sender.graphs.replays == 3 * len(packed) - 1
+        header = Header.decode(sender.bucket_buffer(last)[:HEADER_BYTES].cpu())
+        assert (header.bucket, header.version) == (last.index, 3)
+        for name, got in sender.layouts[last.index].unpack():
+            assert torch.equal(got, versions[1][name]), name
+    finally:
+        group.destroy()

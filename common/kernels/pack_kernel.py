@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - machines without Triton use the foreac
     triton = None
 
 log = logging.getLogger(__name__)
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}  # `current_stream`'s objects
 BLOCK = 4096  # copy units per program
 _UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -59,6 +60,16 @@ def kernel_available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
+def current_stream(device_index: int) -> torch.cuda.Stream:
+    """The current stream of device `device_index`, its Python object made once per stream
+    (`torch.cuda.current_stream()` builds one per call, a share of a bucket's host time)."""
+    stream_id, index, kind = torch._C._cuda_getCurrentStream(device_index)
+    if (stream := _STREAMS.get((stream_id, index))) is None:
+        stream = _STREAMS[stream_id, index] = torch.cuda.Stream(
+            stream_id=stream_id, device_index=index, device_type=kind)
+    return stream
+
+
 class BufferKernel:
     """Chunk table for slots of `buffer` copied in `unit`-byte words; `run(ptrs)` copies each
     slot from (`scatter=False`: the pack) or to (`scatter=True`) the address in `ptrs`."""
@@ -72,6 +83,7 @@ class BufferKernel:
         self.scatter = scatter
         dev = buffer.device
         self.buf = buffer[: buffer.numel() // u * u].view(_UNIT_DTYPES[u])
+        self.device_index = dev.index
         base = buffer.data_ptr()
         # 16-byte words where every slot and size allows (the other side is checked per run)
         self.vec = 16 // u if all((base + o) % 16 == 0 and n % 16 == 0
@@ -104,19 +116,32 @@ class BufferKernel:
         device); `address_bits`: the bitwise or of them (its low bits: their alignment)."""
         if not self.chunk_slot.numel():
             return
-        vec = self.vec if address_bits % 16 == 0 else 1
+        vec = self.vec_for(address_bits)
         self.uploaded.synchronize()  # the last upload from the staging table has been read
         self.host_table[:] = ptrs
-        with torch.cuda.device(self.buf.device):  # Triton launches on the current device
-            if (graph := self.graphs.get(vec)) is not None:
-                graph.replay()
-            else:
-                self._upload_and_copy(vec)  # the first launch also compiles the kernel
-                if vec not in self.graphs:
-                    self.graphs[vec] = self._capture(vec)
-            self.uploaded.record()
+        if torch._C._cuda_getDevice() == self.device_index:
+            self._replay_or_launch(vec)
+        else:  # Triton launches on the current device
+            with torch.cuda.device(self.device_index):
+                self._replay_or_launch(vec)
 
-    def _upload_and_copy(self, vec: int) -> None:
+    def vec_for(self, address_bits: int) -> int:
+        """The 16-byte word count the kernel may use for addresses whose bitwise or is
+        `address_bits`."""
+        return self.vec if address_bits % 16 == 0 else 1
+
+    def _replay_or_launch(self, vec: int) -> None:
+        if (graph := self.graphs.get(vec)) is not None:
+            graph.replay()
+        else:
+            self.launch(vec)  # the first launch also compiles the kernel
+            if vec not in self.graphs:
+                self.graphs[vec] = self._capture(vec)
+        self.uploaded.record(current_stream(self.device_index))
+
+    def launch(self, vec: int) -> None:
+        """Upload the staging table's pointers and copy (eagerly, or into a graph being
+        captured: it reads the staging table when it runs)."""
         self.ptrs.copy_(self.host_ptrs, non_blocking=True)
         _copy_chunks[(self.chunk_slot.numel(),)](
             self.ptrs, self.buf, self.buf_offs, self.sizes, self.chunk_slot, self.chunk_start,
@@ -131,7 +156,7 @@ class BufferKernel:
             with torch.cuda.stream(torch.cuda.Stream()):  # capture never runs on a live stream
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    self._upload_and_copy(vec)
+                    self.launch(vec)
                 finally:
                     graph.capture_end()
         except RuntimeError as e:

@@ -68,7 +68,7 @@ def agree_on_plan(
         raise PlanMismatchError(f"{group.label}: refit plan mismatch at setup: {lines}")
     group.timeout_s = theirs.config.timeout_s  # the join timeout covered the rendezvous
     group.take_bytes_moved()  # the setup's own: not a refit's
-    return theirs
+    return theirs if plan is None else theirs.with_local_settings(plan.config)
 
 
 def _plan_problem(group: Transport, plan: RefitPlan | None, theirs: RefitPlan,

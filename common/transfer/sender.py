@@ -45,6 +45,7 @@ from common.source import WeightSource
 from common.stats import RefitStats
 from common.transfer.bucket_check import BucketChecker
 from common.transfer.endpoint import Endpoint
+from common.transfer.graph_frames import GraphFrames
 from common.transfer.handshake import agree_on_plan
 from common.transfer.receiver import RefitReceiver
 from common.wire import checksum
@@ -63,6 +64,8 @@ class RefitSender(Endpoint):
         self.checker = BucketChecker(plan, group.rank, group.device, group.label)
         self.shadows = ShadowSender(self) if plan.config.delta else None
         self._headers: tuple[int, np.ndarray, dict] | None = None  # `header_table`'s
+        self.graphs = (GraphFrames(group, self.checksums)
+                       if plan.config.graph_send and group.captures_broadcasts else None)
         for bucket in plan.buckets:  # the first refit then runs at the speed of the others
             if bucket.source_rank == group.rank and not bucket.direct:
                 self.layouts[bucket.index].warm()
@@ -210,6 +213,13 @@ class RefitSender(Endpoint):
         direct = bucket.direct and route.gather is None
         # The header leads the frame's own buffer, or has a buffer of its own (direct).
         wire, payload = (self.headers[slot], None) if direct else self.frame(bucket, route, slot)
+        if (is_src and error is None and ptrs is not None and not direct and route.gather is None
+                and self.graphs is not None and self.shadows is None):
+            row = table[1][bucket.index, route.set_index]
+            work = self.graphs.send(bucket.index, self.layouts[bucket.index], wire, payload, ptrs,
+                                    table[0].data_ptr() + row * HEADER_BYTES)
+            if work is not None:
+                return [(work, what)], None, error
         if is_src and error is None:
             try:  # a failing pack (device, memory) becomes an ABORT like any other error
                 payload = self._pack(bucket, route, tensors, ptrs)

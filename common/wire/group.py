@@ -92,7 +92,8 @@ class RefitGroup(Transport):
                          name=name, rank_names=rank_names)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self._subgroups: list[object] = []  # backend groups of `subgroup`, aborted with ours
-        self._broadcast_options: dict[int, dist.BroadcastOptions] = {}
+        self._broadcast_options: dict[tuple[int, bool], dist.BroadcastOptions] = {}
+        self.captures_broadcasts = self.backend == "nccl"
         try:
             self._pg = self._backend_group(self._data_store, rank, world_size)
         except Exception as e:  # noqa: BLE001 - rewrap with who/where
@@ -132,11 +133,22 @@ class RefitGroup(Transport):
                     pg.abort()
 
     def _broadcast(self, tensor: torch.Tensor, src: int, handle: object = None) -> dist.Work:
-        # one options object per root, made once: a collective's host time counts per bucket
-        if (opts := self._broadcast_options.get(src)) is None:
-            opts = self._broadcast_options[src] = dist.BroadcastOptions()
+        return (handle or self._pg).broadcast([tensor], self._options(src, True))
+
+    def capture_broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        # not async: ProcessGroupNCCL launches it on the current (capturing) stream, no
+        # side stream to join back before the capture ends
+        self._pg.broadcast([tensor], self._options(src, False))
+
+    def _options(self, src: int, async_op: bool) -> dist.BroadcastOptions:
+        """One options object per root, made once: a collective's host time counts per
+        bucket."""
+        if (opts := self._broadcast_options.get((src, async_op))) is None:
+            opts = self._broadcast_options[src, async_op] = dist.BroadcastOptions()
             opts.rootRank, opts.rootTensor, opts.timeout = src, 0, self._backend_timeout()
-        return (handle or self._pg).broadcast([tensor], opts)
+            if not async_op:  # the eager ones keep the backend's default
+                opts.asyncOp = False
+        return opts
 
     def _backend_timeout(self) -> timedelta:
         """The backend's own timeout for a collective: past `wait`'s deadline, so that the

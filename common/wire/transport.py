@@ -61,6 +61,7 @@ class Transport(ABC):
     """One rank of a refit group: the interface and the shared control plane (module doc)."""
 
     supports_subgroups = False  # `subgroup` works (else every worker takes whole buckets)
+    captures_broadcasts = False  # `capture_broadcast` works (CUDA graphs of whole frames)
 
     def __init__(self, *, host: str, port: int, rank: int, world_size: int, num_trainers: int,
                  timeout_s: float, device: torch.device | str | None = None,
@@ -113,6 +114,16 @@ class Transport(ABC):
         if sub is None:
             return self._broadcast(tensor, src)
         return self._broadcast(tensor, sub.ranks.index(src), sub.handle)
+
+    def capture_broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Inside a CUDA graph capture: a whole-group broadcast of `tensor` from `src`, on
+        the capturing stream, moving bytes each time the graph is replayed (count them with
+        `count_moved`). Only where `captures_broadcasts`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot capture broadcasts")
+
+    def count_moved(self, nbytes: int) -> None:
+        """Bytes a replayed (captured) broadcast moved, for `take_bytes_moved`."""
+        self._moved += nbytes
 
     def subgroup(self, ranks: list[int], key: str) -> Subgroup | None:
         """A subgroup of `ranks` (this rank among them), built by those ranks alone, in the

@@ -1,0 +1,137 @@
+"""Whole frames sent as one CUDA graph replay per bucket: pack, header, checksum, broadcast.
+
+On CUDA a bucket's sender time is host time: the pack kernels' graph replay and its event, the
+header's device copy, ProcessGroupNCCL's broadcast call and its Work, tens of microseconds each
+against tens of microseconds of device work for a 64 MiB bucket. Captured once per bucket, all of
+it is one replay: the pack kernels read the sources' addresses from their pinned staging tables,
+one more kernel copies the frame's header from the refit's header table (the row's address is
+staged like a source's), the checksum (when on) is stamped on the device, and the broadcast was
+captured on the capturing stream. A replay is waited for through an event recorded behind it,
+polled with the refit timeout like a collective's Work; a dead peer leaves the replayed broadcast
+waiting on the GPU until the timeout aborts the communicator, as with an eager one. The
+receivers' eager broadcasts pair with the replayed ones: every rank keeps the plan's order.
+
+Only whole frames from their source go this way (not a direct bucket, a compact frame, a delta
+or an ABORT); a bucket whose capture failed, or whose sources need another kernel variant than
+the captured one, goes eagerly. `RefitConfig.graph_send` turns it on.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from common.kernels.pack_kernel import BufferKernel, current_stream
+from common.packing import BucketLayout
+from common.wire import checksum
+from common.wire.bucket_header import HEADER_BYTES
+from common.wire.transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+class ReplayWork:
+    """A replayed frame's completion, polled by `Transport.wait` as a collective's Work is."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        """Nothing to raise: a replay reports no error of its own (a stuck one times out)."""
+
+
+class _Captured:
+    """One bucket's graph and the kernels whose staging tables it reads."""
+
+    __slots__ = ("graph", "kernels", "header", "event", "nbytes")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, kernels: list, header: BufferKernel,
+                 event: torch.cuda.Event, nbytes: int) -> None:
+        self.graph, self.kernels, self.header = graph, kernels, header
+        self.event, self.nbytes = event, nbytes
+
+
+class GraphFrames:
+    """A trainer's captured whole frames, one graph per bucket it sources (made on the bucket's
+    first send)."""
+
+    def __init__(self, group: Transport, checksums: bool) -> None:
+        self.group, self.checksums = group, checksums
+        self.device_index = group.device.index
+        self._graphs: dict[int, _Captured | None] = {}
+        self.failure: str | None = None  # why the last capture failed (logged once)
+        self.replays = 0  # frames sent by replay so far
+
+    @property
+    def captured(self) -> int:
+        """How many buckets go by replay."""
+        return sum(entry is not None for entry in self._graphs.values())
+
+    def send(self, index: int, layout: BucketLayout, wire: torch.Tensor, payload: torch.Tensor,
+             ptrs: np.ndarray, header_address: int) -> ReplayWork | None:
+        """Replay bucket `index`'s frame (its `layout`, [header | payload] buffer `wire`) for
+        sources at `ptrs` and the header row at `header_address`; None: send it eagerly."""
+        if (entry := self._graphs.get(index, _Captured)) is _Captured:
+            entry = self._graphs[index] = self._capture(layout, wire, payload)
+        if entry is None or header_address % 16:
+            return None
+        tables = []
+        for idx, kernel in entry.kernels:
+            table = ptrs if idx is None else ptrs[idx]
+            bits = int(np.bitwise_or.reduce(table)) if len(table) else 0
+            if bits % kernel.unit or kernel.vec_for(bits) != kernel.vec:
+                return None  # sources aligned for another variant than the captured one
+            tables.append(table)
+        entry.event.synchronize()  # the last replay (last refit) has read the staging tables
+        for (_, kernel), table in zip(entry.kernels, tables, strict=True):
+            kernel.host_table[:] = table
+        entry.header.host_table[0] = header_address
+        if torch._C._cuda_getDevice() == self.device_index:
+            entry.graph.replay()
+        else:
+            with torch.cuda.device(self.device_index):
+                entry.graph.replay()
+        entry.event.record(current_stream(self.device_index))
+        self.group.count_moved(entry.nbytes)
+        self.replays += 1
+        return ReplayWork(entry.event)
+
+    def _capture(self, layout: BucketLayout, wire: torch.Tensor,
+                 payload: torch.Tensor) -> _Captured | None:
+        """The frame's graph, or None where it cannot be one (logged once per reason)."""
+        kernels = [(idx, k) for idx, k in layout.kernels if k.chunk_slot.numel()]
+        if layout.misaligned or not kernels or any(k.vec not in k.graphs for _, k in kernels):
+            return None  # bytes copied outside the kernels, or a kernel not warmed
+        header = BufferKernel(wire, 8, [0], [HEADER_BYTES])
+        header.warm()  # compiles it (the header copied onto itself)
+        event = torch.cuda.Event()
+        for _, kernel in [*kernels, (None, header)]:
+            kernel.uploaded.synchronize()
+            kernel.uploaded = event  # an eager pack of this bucket guards the same tables
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.device(self.device_index), torch.cuda.stream(torch.cuda.Stream()):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    for _, kernel in kernels:
+                        kernel.launch(kernel.vec)
+                    header.launch(header.vec)
+                    if self.checksums:
+                        checksum.stamp(wire, payload)
+                    self.group.capture_broadcast(wire, self.group.rank)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as e:
+            if self.failure is None:
+                log.warning("%s: a frame's CUDA graph could not be captured, sending eagerly: %s",
+                            self.group.label, e)
+            self.failure = str(e)
+            return None
+        return _Captured(graph, kernels, header, event, wire.numel())
