@@ -6,6 +6,7 @@ its CUDA calls (`bench/sender_sweep.py` measures that at real sizes).
     OMP_NUM_THREADS=1 .venv/bin/python bench/sender_host_bench.py [--buffers 2] [--out F]
     python3 bench/sender_host_bench.py --device cuda      # NCCL, the pack kernel's launches
     python3 bench/sender_host_bench.py --device cuda --profile 25   # + where its time goes
+    python3 bench/sender_host_bench.py --device cuda --graph-send   # each frame a graph replay
 
 The last line is one JSON object: `us_per_bucket` (median over `--reps` refits) and its split
 (`produce_us`, `pack_us`, `wait_us` per bucket, from the refit's own stats).
@@ -35,6 +36,8 @@ def main() -> int:
     ap.add_argument("--tensors", type=int, default=4000, help="of 1 KiB, two per bucket")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--graph-send", action="store_true",
+                    help="frames by CUDA graph replay (RefitConfig.graph_send)")
     ap.add_argument("--profile", type=int, default=0,
                     help="then profile one refit: its N costliest calls (own time) to stderr")
     ap.add_argument("--out", help="write the JSON report here")
@@ -48,7 +51,8 @@ def main() -> int:
                                                         device=args.device)
                                    for i in range(args.tensors)})
         plan = RefitPlan.build(source.plan_specs(), RefitConfig(
-            bucket_bytes=2048, num_buffers=args.buffers, timeout_s=60))
+            bucket_bytes=2048, num_buffers=args.buffers, timeout_s=60,
+            graph_send=args.graph_send))
         sender = RefitSender.setup(group, plan)
         for version in range(1, 4):  # warm
             sender.refit(source, version)
@@ -63,8 +67,10 @@ def main() -> int:
             profile_call(sender.refit, source, 4 + args.reps, top=args.profile)
     finally:
         group.destroy()
-    n = len(plan.buckets)
+    n, graphs = len(plan.buckets), sender.graphs
     summary = {"us_per_bucket": round(statistics.median(times) / n * 1e6, 2), "buckets": n,
+               **({} if graphs is None else {"graph_frames": graphs.captured,
+                                             "graph_failure": graphs.failure}),
                **{f"{k}_us": round(statistics.median(getattr(s, f"{k}_s") for s in stats)
                                    / n * 1e6, 2) for k in ("produce", "pack", "wait")}}
     print(f"{n} buckets: {summary['us_per_bucket']} us per bucket")

@@ -16,8 +16,12 @@ if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by t
   rc=$?
   python3 bench/sender_host_bench.py --device cuda --profile 30 --out "$out/sender_host_h200.json" \
     > "$out/sender_host.log" 2>&1; host=$?
+  python3 bench/sender_host_bench.py --device cuda --graph-send --profile 30 \
+    --out "$out/sender_host_graph_h200.json" > "$out/sender_host_graph.log" 2>&1
+  host=$(( host || $? ))
   python3 bench/fp8_bench.py --profile 30 --out "$out/fp8_h200.json" > "$out/fp8.log" 2>&1; fp8=$?  # issue 38
-  tail -n 2 "$out/cal.log" "$out/sweep.log" "$out/sender_host.log" "$out/fp8.log"
+  tail -n 2 "$out/cal.log" "$out/sweep.log" "$out/sender_host.log" "$out/sender_host_graph.log" \
+    "$out/fp8.log"
   exit $(( rc || host || fp8 ))
 fi
 bash .whl/site.sh
