@@ -13,7 +13,8 @@ receivers' eager broadcasts pair with the replayed ones: every rank keeps the pl
 
 Only whole frames from their source go this way (not a direct bucket, a compact frame, a delta
 or an ABORT); a bucket whose capture failed, or whose sources need another kernel variant than
-the captured one, goes eagerly. `RefitConfig.graph_send` turns it on.
+the captured one, goes eagerly; where the broadcast cannot be captured, the graph holds the rest
+and the broadcast follows each replay eagerly. `RefitConfig.graph_send` turns it on.
 """
 
 from __future__ import annotations
@@ -48,25 +49,27 @@ class ReplayWork:
 
 
 class _Captured:
-    """One bucket's graph and the kernels whose staging tables it reads."""
+    """One bucket's graph, the kernels whose staging tables it reads, and whether it holds the
+    broadcast too (else the frame's broadcast is started eagerly after the replay)."""
 
-    __slots__ = ("graph", "kernels", "header", "event", "nbytes")
+    __slots__ = ("graph", "kernels", "header", "event", "nbytes", "broadcasts")
 
     def __init__(self, graph: torch.cuda.CUDAGraph, kernels: list, header: BufferKernel,
-                 event: torch.cuda.Event, nbytes: int) -> None:
+                 event: torch.cuda.Event, nbytes: int, broadcasts: bool) -> None:
         self.graph, self.kernels, self.header = graph, kernels, header
-        self.event, self.nbytes = event, nbytes
+        self.event, self.nbytes, self.broadcasts = event, nbytes, broadcasts
 
 
 class GraphFrames:
     """A trainer's captured whole frames, one graph per bucket it sources (made on the bucket's
-    first send)."""
+    first send). Where the transport's broadcast cannot be captured, the graphs hold the pack,
+    header and checksum, and the broadcast goes eagerly after each replay."""
 
     def __init__(self, group: Transport, checksums: bool) -> None:
         self.group, self.checksums = group, checksums
         self.device_index = group.device.index
         self._graphs: dict[int, _Captured | None] = {}
-        self.failure: str | None = None  # why the last capture failed (logged once)
+        self.failure: str | None = None  # why capturing the broadcast failed (logged once)
         self.replays = 0  # frames sent by replay so far
 
     @property
@@ -75,9 +78,10 @@ class GraphFrames:
         return sum(entry is not None for entry in self._graphs.values())
 
     def send(self, index: int, layout: BucketLayout, wire: torch.Tensor, payload: torch.Tensor,
-             ptrs: np.ndarray, header_address: int) -> ReplayWork | None:
+             ptrs: np.ndarray, header_address: int) -> object | None:
         """Replay bucket `index`'s frame (its `layout`, [header | payload] buffer `wire`) for
-        sources at `ptrs` and the header row at `header_address`; None: send it eagerly."""
+        sources at `ptrs` and the header row at `header_address`; returns what to wait for,
+        or None: send it eagerly."""
         if (entry := self._graphs.get(index, _Captured)) is _Captured:
             entry = self._graphs[index] = self._capture(layout, wire, payload)
         if entry is None or header_address % 16:
@@ -99,13 +103,16 @@ class GraphFrames:
             with torch.cuda.device(self.device_index):
                 entry.graph.replay()
         entry.event.record(current_stream(self.device_index))
-        self.group.count_moved(entry.nbytes)
         self.replays += 1
+        if not entry.broadcasts:
+            return self.group.broadcast(wire, self.group.rank)
+        self.group.count_moved(entry.nbytes)
         return ReplayWork(entry.event)
 
     def _capture(self, layout: BucketLayout, wire: torch.Tensor,
                  payload: torch.Tensor) -> _Captured | None:
-        """The frame's graph, or None where it cannot be one (logged once per reason)."""
+        """The frame's graph (with its broadcast unless that failed to capture before), or
+        None where it cannot be one."""
         kernels = [(idx, k) for idx, k in layout.kernels if k.chunk_slot.numel()]
         if layout.misaligned or not kernels or any(k.vec not in k.graphs for _, k in kernels):
             return None  # bytes copied outside the kernels, or a kernel not warmed
@@ -115,23 +122,34 @@ class GraphFrames:
         for _, kernel in [*kernels, (None, header)]:
             kernel.uploaded.synchronize()
             kernel.uploaded = event  # an eager pack of this bucket guards the same tables
+        for broadcasts in ((True, False) if self.failure is None else (False,)):
+            try:
+                graph = self._record(kernels, header, wire, payload, broadcasts)
+            except RuntimeError as e:
+                if broadcasts:
+                    log.warning("%s: a frame's broadcast could not be captured in a CUDA graph, "
+                                "it goes eagerly after each replay: %s", self.group.label, e)
+                    self.failure = str(e)
+                    continue
+                log.warning("%s: a frame's pack could not be captured in a CUDA graph, sending "
+                            "eagerly: %s", self.group.label, e)
+                return None
+            return _Captured(graph, kernels, header, event, wire.numel(), broadcasts)
+        return None
+
+    def _record(self, kernels: list, header: BufferKernel, wire: torch.Tensor,
+                payload: torch.Tensor, broadcasts: bool) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.device(self.device_index), torch.cuda.stream(torch.cuda.Stream()):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    for _, kernel in kernels:
-                        kernel.launch(kernel.vec)
-                    header.launch(header.vec)
-                    if self.checksums:
-                        checksum.stamp(wire, payload)
+        with torch.cuda.device(self.device_index), torch.cuda.stream(torch.cuda.Stream()):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                for _, kernel in kernels:
+                    kernel.launch(kernel.vec)
+                header.launch(header.vec)
+                if self.checksums:
+                    checksum.stamp(wire, payload)
+                if broadcasts:
                     self.group.capture_broadcast(wire, self.group.rank)
-                finally:
-                    graph.capture_end()
-        except RuntimeError as e:
-            if self.failure is None:
-                log.warning("%s: a frame's CUDA graph could not be captured, sending eagerly: %s",
-                            self.group.label, e)
-            self.failure = str(e)
-            return None
-        return _Captured(graph, kernels, header, event, wire.numel())
+            finally:
+                graph.capture_end()
+        return graph
