@@ -71,6 +71,9 @@ class GraphFrames:
         self._graphs: dict[int, _Captured | None] = {}
         self.failure: str | None = None  # why capturing the broadcast failed (logged once)
         self.replays = 0  # frames sent by replay so far
+        # One memory pool for every bucket's graph (the checksum's scratch): the replays run
+        # one after another on one stream, so they can share it.
+        self._pool: tuple | None = None
 
     @property
     def captured(self) -> int:
@@ -118,6 +121,8 @@ class GraphFrames:
             return None  # bytes copied outside the kernels, or a kernel not warmed
         header = BufferKernel(wire, 8, [0], [HEADER_BYTES])
         header.warm()  # compiles it (the header copied onto itself)
+        if self.checksums:
+            checksum.stamp(wire, payload)  # compiles the hash kernel outside the capture
         event = torch.cuda.Event()
         for _, kernel in [*kernels, (None, header)]:
             kernel.uploaded.synchronize()
@@ -140,8 +145,10 @@ class GraphFrames:
     def _record(self, kernels: list, header: BufferKernel, wire: torch.Tensor,
                 payload: torch.Tensor, broadcasts: bool) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.device(self.device_index), torch.cuda.stream(torch.cuda.Stream()):
-            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 for _, kernel in kernels:
                     kernel.launch(kernel.vec)
