@@ -216,8 +216,11 @@ class RefitSender(Endpoint):
         if (is_src and error is None and ptrs is not None and not direct and route.gather is None
                 and self.graphs is not None and self.shadows is None):
             row = table[1][bucket.index, route.set_index]
-            work = self.graphs.send(bucket.index, self.layouts[bucket.index], wire, payload, ptrs,
-                                    table[0].data_ptr() + row * HEADER_BYTES)
+            try:  # a failure before the replay becomes an ABORT like a failing pack
+                work = self.graphs.send(bucket.index, self.layouts[bucket.index], wire, payload,
+                                        ptrs, table[0].data_ptr() + row * HEADER_BYTES)
+            except Exception as e:  # noqa: BLE001 - reported to every rank
+                work, error = None, RefitError(f"{group.label}: replaying {what} failed: {e}")
             if work is not None:
                 return [(work, what)], None, error
         if is_src and error is None:
