@@ -6,15 +6,16 @@
 #   scripts/gpu_vllm.sh recipes the FSDP2 and Megatron recipes against a CUDA `vllm serve`
 #   scripts/gpu_vllm.sh bench   bench/cuda_engine_bench.py alone (its figures want the machine to itself)
 #   scripts/gpu_vllm.sh sweep   the sender sweep, its calibration run, the FP8 bench (no vLLM: no chunks;
-#                               GRAPH_SEND=off leaves out the frames sent by graph replay)
+#                               GRAPH_SEND=off leaves out the frames sent by graph replay;
+#                               SWEEP_ARGS: more sender_sweep.py arguments, e.g. "--buffers 2,3")
 # Logs and results go to $OUT (default: gpu_out/).
 set -uo pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
 if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by the broadcast bench
   export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=1
   python3 bench/broadcast_bench.py --out "$out/gpu_h200x1_sweep_cal.json" > "$out/cal.log" 2>&1
-  python3 bench/sender_sweep.py --graph-send "${GRAPH_SEND:-both}" --out "$out/sender_sweep_h200.json" \
-    > "$out/sweep.log" 2>&1
+  python3 bench/sender_sweep.py --graph-send "${GRAPH_SEND:-both}" ${SWEEP_ARGS:-} \
+    --out "$out/sender_sweep_h200.json" > "$out/sweep.log" 2>&1
   rc=$?
   python3 bench/sender_host_bench.py --device cuda --profile 30 --out "$out/sender_host_h200.json" \
     > "$out/sender_host.log" 2>&1; host=$?
