@@ -176,7 +176,8 @@ CUDA_MODELS = {"moe": "MoE-like: Qwen3-30B-A3B's 48 layers x 128 experts, small 
                "dense": "dense: Qwen3-8B's layers (4 of 36) and vocabulary"}
 
 
-SWEEP_RUNS = ["sender_sweep_cpu", "sender_sweep_h200_nospin", "sender_sweep_h200", "sender_sweep_h100"]
+SWEEP_RUNS = ["sender_sweep_cpu", "sender_sweep_h200_nospin", "sender_sweep_h200",
+              "sender_sweep_h100"]
 FP8_RUNS = ["fp8_cpu_quick", "fp8_h200", "fp8_h200_run2", "fp8_h100"]
 
 
