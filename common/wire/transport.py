@@ -119,7 +119,7 @@ class Transport(ABC):
         """Inside a CUDA graph capture: a whole-group broadcast of `tensor` from `src`, on
         the capturing stream, moving bytes each time the graph is replayed (count them with
         `count_moved`). Only where `captures_broadcasts`."""
-        raise NotImplementedError(f"{type(self).__name__} cannot capture broadcasts")
+        raise ValueError(f"{type(self).__name__} has no captured broadcasts")
 
     def count_moved(self, nbytes: int) -> None:
         """Bytes a replayed (captured) broadcast moved, for `take_bytes_moved`."""
