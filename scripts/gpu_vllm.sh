@@ -12,21 +12,23 @@
 set -uo pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
 if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by the broadcast bench
+  # Five JSON files and one log in $OUT (a device call brings back 8 files at most).
   export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=1
-  python3 bench/broadcast_bench.py --out "$out/gpu_h200x1_sweep_cal.json" > "$out/cal.log" 2>&1
+  logs=$(mktemp -d)
+  python3 bench/broadcast_bench.py --out "$out/gpu_h200x1_sweep_cal.json" > "$logs/cal.log" 2>&1
   python3 bench/sender_sweep.py --graph-send "${GRAPH_SEND:-both}" ${SWEEP_ARGS:-} \
-    --out "$out/sender_sweep_h200.json" > "$out/sweep.log" 2>&1
+    --out "$out/sender_sweep_h200.json" > "$logs/sweep.log" 2>&1
   rc=$?
   python3 bench/sender_host_bench.py --device cuda --profile 30 --out "$out/sender_host_h200.json" \
-    > "$out/sender_host.log" 2>&1; host=$?
+    > "$logs/sender_host.log" 2>&1; host=$?
   if [ "${GRAPH_SEND:-both}" != off ]; then
     python3 bench/sender_host_bench.py --device cuda --graph-send --profile 30 \
-      --out "$out/sender_host_graph_h200.json" > "$out/sender_host_graph.log" 2>&1
+      --out "$out/sender_host_graph_h200.json" > "$logs/sender_host_graph.log" 2>&1
     host=$(( host || $? ))
   fi
-  python3 bench/fp8_bench.py --profile 30 --out "$out/fp8_h200.json" > "$out/fp8.log" 2>&1; fp8=$?  # issue 38
-  tail -n 2 "$out/cal.log" "$out/sweep.log" "$out/sender_host.log" "$out/sender_host_graph.log" \
-    "$out/fp8.log"
+  python3 bench/fp8_bench.py --profile 30 --out "$out/fp8_h200.json" > "$logs/fp8.log" 2>&1; fp8=$?  # issue 38
+  cat "$logs"/*.log > "$out/sweep_logs.txt"
+  tail -n 2 "$logs"/*.log
   exit $(( rc || host || fp8 ))
 fi
 bash .whl/site.sh
