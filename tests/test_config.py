@@ -46,3 +46,26 @@ def test_wrong_types_and_unknown_fields() -> None:
         RefitConfig(num_buffers=2.0)  # type: ignore[arg-type]
     with pytest.raises(RefitConfigError, match="unknown RefitConfig fields"):
         RefitConfig.from_env(bucket_size=5)
+
+
+def test_graph_send_on_a_gloo_group_sends_eagerly() -> None:
+    """`graph_send` asks for CUDA graph replays; a CPU (gloo) group has none to capture, so
+    the sender keeps no graphs and its refit lands as without it."""
+    import torch
+
+    from common.plan import RefitPlan
+    from common.source import DictWeightSource
+    from common.transfer.sender import RefitSender
+    from common.wire.group import RefitGroup, free_port
+
+    group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
+                       num_trainers=1, timeout_s=30, device="cpu")
+    try:
+        source = DictWeightSource({f"w{i}": torch.full((256,), float(i)) for i in range(8)})
+        config = RefitConfig(bucket_bytes=2048, timeout_s=30, graph_send=True)
+        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
+        assert sender.plan.config.graph_send and not group.captures_broadcasts
+        assert sender.graphs is None
+        assert sender.refit(source, 1).num_buckets == len(sender.plan.buckets)
+    finally:
+        group.destroy()
