@@ -159,13 +159,8 @@ class BucketLayout:
                     or any(map(torch.Tensor.is_conj, tensors))):
                 return False
             ptrs = np.fromiter(map(torch.Tensor.data_ptr, tensors), np.int64, len(tensors))
-        tables = []
-        for idx, kernel in self.kernels:
-            table = ptrs if idx is None else ptrs[idx]
-            bits = int(np.bitwise_or.reduce(table)) if len(table) else 0
-            if bits % kernel.unit:
-                return False  # a source not aligned to its slot's copy unit
-            tables.append((kernel, table, bits))
+        if (tables := kernel_tables(self.kernels, ptrs)) is None:
+            return False  # a source not aligned to its slot's copy unit
         for kernel, table, bits in tables:
             kernel.run(table, bits)
         return True
@@ -189,6 +184,21 @@ class BucketLayout:
                 view = raw.view(spec.dtype).view(spec.shape)
             out.append((spec.name, view))
         return out
+
+
+def kernel_tables(kernels: Sequence[tuple[np.ndarray | None, BufferKernel]],
+                  ptrs: np.ndarray) -> list[tuple[BufferKernel, np.ndarray, int]] | None:
+    """Per pointer-table kernel (its slots' indices or None for all, the kernel): the
+    kernel, its sources' addresses out of `ptrs` and their bitwise or (its low bits: their
+    alignment); None when a source is not aligned to its kernel's copy unit."""
+    tables = []
+    for idx, kernel in kernels:
+        table = ptrs if idx is None else ptrs[idx]
+        bits = int(np.bitwise_or.reduce(table)) if len(table) else 0
+        if bits % kernel.unit:
+            return None
+        tables.append((kernel, table, bits))
+    return tables
 
 
 def first_differing(specs: Sequence[TensorSpec], offsets: Sequence[int], a: torch.Tensor,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -127,3 +128,20 @@ def test_staged_views_made_once_per_staging_buffer(device: str) -> None:
     views = apply.staged_views(first, moved[: first.nbytes], plan)
     assert all(v.data_ptr() >= moved.data_ptr() and bool((v == 0).all()) for _, v in views)
     assert all(layout._built_kernels is None for layout in apply._layouts.values())
+
+
+def test_kernel_tables_split_the_addresses_per_kernel_and_refuse_a_misaligned_source() -> None:
+    """The pack and the graph send's shared split of a bucket's source addresses: each
+    pointer-table kernel's slice and its alignment bits; None when a source is off its
+    kernel's copy unit."""
+    from types import SimpleNamespace
+
+    from common.packing import kernel_tables
+
+    wide, narrow = SimpleNamespace(unit=8), SimpleNamespace(unit=2)
+    ptrs = np.array([4096, 4112, 4098, 8192], dtype=np.int64)
+    tables = kernel_tables([(np.array([0, 1, 3]), wide), (np.array([2]), narrow)], ptrs)
+    assert [(k, t.tolist(), bits) for k, t, bits in tables] == [
+        (wide, [4096, 4112, 8192], 4096 | 4112 | 8192), (narrow, [4098], 4098)]
+    assert kernel_tables([(None, wide)], ptrs) is None  # 4098 is not 8-byte aligned
+    assert kernel_tables([(None, narrow)], ptrs)[0][2] == int(np.bitwise_or.reduce(ptrs))

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from common.kernels.pack_kernel import BufferKernel, current_stream
-from common.packing import BucketLayout
+from common.packing import BucketLayout, kernel_tables
 from common.wire import checksum
 from common.wire.bucket_header import HEADER_BYTES
 from common.wire.transport import Transport
@@ -89,15 +89,11 @@ class GraphFrames:
             entry = self._graphs[index] = self._capture(layout, wire, payload)
         if entry is None or header_address % 16:
             return None
-        tables = []
-        for idx, kernel in entry.kernels:
-            table = ptrs if idx is None else ptrs[idx]
-            bits = int(np.bitwise_or.reduce(table)) if len(table) else 0
-            if bits % kernel.unit or kernel.vec_for(bits) != kernel.vec:
-                return None  # sources aligned for another variant than the captured one
-            tables.append(table)
+        tables = kernel_tables(entry.kernels, ptrs)
+        if tables is None or any(k.vec_for(bits) != k.vec for k, _, bits in tables):
+            return None  # sources aligned for another variant than the captured one
         entry.event.synchronize()  # the last replay (last refit) has read the staging tables
-        for (_, kernel), table in zip(entry.kernels, tables, strict=True):
+        for kernel, table, _ in tables:
             kernel.host_table[:] = table
         entry.header.host_table[0] = header_address
         if torch._C._cuda_getDevice() == self.device_index:
