@@ -20,7 +20,9 @@ class RefitStats:
     wait_s: float = 0.0  # blocked on the refit group's collectives
     load_s: float = 0.0  # receiver callback (e.g. model.load_weights), post_s included
     post_s: float = 0.0  # receiver: what runs after the last bucket (post-load processing)
-    stage_s: float = 0.0  # receiver, host staging: frames copied onto the apply device (in load_s)
+    stage_s: float = 0.0  # receiver, host staging: the host's time copying (or, from page-locked
+    # buffers, queueing the copies of) frames onto the apply device (in load_s)
+    device_stage_s: float = 0.0  # receiver, host staging: those copies' device time
     device_apply_s: float = 0.0  # receiver on a GPU: the loads' and post_s's device time
     device_post_s: float = 0.0  # receiver on a GPU: post_s's share of device_apply_s
     buckets_loaded: int = 0  # buckets handed to the receiver callback
@@ -33,7 +35,8 @@ class RefitStats:
     loaded_hash: str = ""  # receiver: a hash of the model-format bytes it loaded, if it made one
     role: str = "sender"
     # Each receiving rank's own timings ({"seconds", "wait_s", "load_s", "post_s",
-    # "wire_bytes", "need_set", "delta_frames"}; "stage_s", "device_apply_s", "device_post_s",
+    # "wire_bytes", "need_set", "delta_frames"}; "stage_s", "device_stage_s", "device_apply_s",
+    # "device_post_s",
     # "loaded_hash" where it has them),
     # from the status exchange at the end of a refit that landed.
     receivers: dict[int, dict[str, float | str]] = field(default_factory=dict)

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# On the GPU machine, after the CUDA vLLM chunks were carried (../shared/tools/cuda_vllm/prepare.sh):
-# unpacks them (and megatron-core, when .whl/mcore holds its wheel), then runs
-#   scripts/gpu_vllm.sh tests   the `-m gpu_vllm` engine tests (FP8 too) beside the serve ones, then
-#                               the CUDA FP8 quantizer's and the NCCL sender's tests
+# Here, once: `scripts/gpu_vllm.sh prepare` builds the CUDA vLLM chunks (../shared/tools/cuda_vllm/)
+# and downloads into .whl/extra what vLLM's FP8 path imports and the chunks lack (compressed-tensors,
+# loguru). On the GPU machine, after the chunks were carried, it unpacks them with the wheels in
+# .whl/mcore (megatron-core) and .whl/extra, then runs
+#   scripts/gpu_vllm.sh tests   the `-m gpu_vllm` engine tests, the FP8 engine's and the serve ones side
+#                               by side, then the CUDA FP8 quantizer's and the NCCL sender's tests
 #   scripts/gpu_vllm.sh recipes the FSDP2 and Megatron recipes against a CUDA `vllm serve`
+#   scripts/gpu_vllm.sh fp8     the FP8 CUDA engine test alone
 #   scripts/gpu_vllm.sh bench   bench/cuda_engine_bench.py alone (its figures want the machine to itself)
 #   scripts/gpu_vllm.sh sweep   the sender sweep, its calibration run, the FP8 bench (no vLLM: no chunks;
 #                               GRAPH_SEND=off leaves out the frames sent by graph replay;
@@ -11,6 +14,10 @@
 # Logs and results go to $OUT (default: gpu_out/).
 set -uo pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
+if [ "${1:-}" = prepare ]; then
+  [ -d .whl/c00 ] || bash ../shared/tools/cuda_vllm/prepare.sh || exit 1
+  exec python3 -m pip download -q --no-deps -d .whl/extra compressed-tensors==0.17.0 loguru==0.7.3
+fi
 if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by the broadcast bench
   # Five JSON files and one log in $OUT (a device call brings back 8 files at most).
   export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=1
@@ -32,20 +39,24 @@ if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by t
   exit $(( rc || host || fp8 ))
 fi
 bash .whl/site.sh
-for w in .whl/mcore/*.whl; do [ -e "$w" ] && python3 -m zipfile -e "$w" /tmp/site/; done
+for w in .whl/mcore/*.whl .whl/extra/*.whl; do [ -e "$w" ] && python3 -m zipfile -e "$w" /tmp/site/; done
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=4
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/device.txt"
 run() { python3 -m pytest -q -s -p no:cacheprovider -m gpu_vllm "$@"; }
 case "${1:-tests}" in
   tests)
-    run tests/gpu_vllm/test_cuda_engine.py tests/gpu_vllm/test_cuda_fp8.py > "$out/gpu_engine.log" 2>&1 & engine=$!
+    run tests/gpu_vllm/test_cuda_engine.py > "$out/gpu_engine.log" 2>&1 & engine=$!
+    run tests/gpu_vllm/test_cuda_fp8.py > "$out/gpu_fp8_engine.log" 2>&1 & fp8=$!
     run tests/gpu_vllm/test_cuda_serve.py > "$out/gpu_serve.log" 2>&1
     serve=$?
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py tests/test_gpu.py \
       > "$out/gpu_fp8_kernel.log" 2>&1
-    kernel=$?; wait $engine; engine=$?
-    tail -n 3 "$out/gpu_engine.log" "$out/gpu_serve.log" "$out/gpu_fp8_kernel.log"
-    exit $(( serve || engine || kernel ));;
+    kernel=$?; wait $engine; engine=$?; wait $fp8; fp8=$?
+    tail -n 3 "$out"/gpu_*.log
+    exit $(( serve || engine || fp8 || kernel ));;
+  fp8)
+    run tests/gpu_vllm/test_cuda_fp8.py > "$out/gpu_fp8_engine.log" 2>&1
+    rc=$?; tail -n 3 "$out/gpu_fp8_engine.log"; exit $rc;;
   recipes)
     run tests/gpu_vllm/test_cuda_recipes.py > "$out/gpu_recipes.log" 2>&1
     rc=$?; tail -n 3 "$out/gpu_recipes.log"; exit $rc;;

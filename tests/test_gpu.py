@@ -10,7 +10,7 @@ from common.plan import RefitPlan
 from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
-from tests.multiproc import GatheringSource, expect_ok
+from tests.multiproc import GatheringSource, expect_ok, receive_all
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MIB = 1 << 20
@@ -301,3 +301,44 @@ def test_graph_send_replays_each_frame_bit_for_bit(checksum: bool) -> None:
             assert torch.equal(got, versions[1][name]), name
     finally:
         group.destroy()
+
+
+def staged_rank(rank: int, world: int, port: int, buffers: int) -> dict:
+    """A host (gloo) group whose receiver applies on the GPU: frames staged from page-locked
+    buffers, asynchronously, while the next frames land in the other buffers."""
+    from common.source import DictWeightSource
+    from common.transfer.sender import RefitReceiver
+    from tests.test_roundtrip import bits, make_tensors
+
+    config = RefitConfig(bucket_bytes=16 << 10, num_buffers=buffers, timeout_s=60,
+                         direct_bytes=2 << 10)
+    group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world, device="cpu",
+                       num_trainers=1, timeout_s=60)
+    if group.is_trainer:
+        source = DictWeightSource(make_tensors(0))
+        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
+        for version in (1, 2, 3):
+            source.tensors = make_tensors(0, version)
+            sender.refit(source, version)
+        return {}
+    receiver = RefitReceiver.setup(group)
+    receiver.stage_onto(torch.device("cuda", 0))
+    assert all(b.is_pinned() for b in receiver.buffers)
+    out = {}
+    for version in (1, 2, 3):
+        stats, got = receive_all(receiver)
+        torch.cuda.synchronize()
+        want = make_tensors(0, version)
+        assert all(t.device.type == "cuda" for t in got.values())
+        differ = [n for n, w in want.items() if not torch.equal(bits(got[n]).cpu(), bits(w))]
+        assert not differ, f"v{version}: {differ}"
+        out[version] = stats.device_stage_s
+    return out
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_host_group_stages_frames_onto_the_gpu_from_page_locked_buffers(buffers: int) -> None:
+    """Every refit's bytes land on the GPU bit for bit, though each staging copy is queued
+    and the host buffer it reads takes the next frames only once it finished."""
+    got = expect_ok(run_ranks(staged_rank, 2, buffers))[1]
+    assert all(seconds > 0 for seconds in got.values()), got

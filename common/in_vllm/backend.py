@@ -127,7 +127,7 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
             group.destroy()
             raise
         if wire.type != self.device.type:
-            self.receiver.apply.device = self.device
+            self.receiver.stage_onto(self.device)
         plan = self.receiver.plan
         self.receiver.keep_base_of(old)  # a rejoin keeps its base: deltas and rollback go on
         if self.direct is not None and self.direct.plan_digest != plan.digest:

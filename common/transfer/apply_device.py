@@ -2,11 +2,14 @@
 
 Host staging: a refit group on the host whose worker applies on a GPU (a CUDA engine refit by
 CPU trainers over gloo) copies each frame into one reused buffer there (each bucket's views in
-it made once), then loads it. Device time: on CUDA the loads return once their copies and
-processing are queued, so the host's clock (`RefitStats.load_s`) misses the work itself; an
-event pair around each frame's apply and the post-load step measures it on the device's own
-timeline (the staging copy before it and the waits on the wire between frames fall outside
-every pair).
+it made once), then loads it. The receiver's buffers are then page-locked, so the copy runs
+asynchronously: the host prepares and queues the frame's apply while its bytes cross, and the
+device runs the apply right after them instead of idling while the host prepares. Before a
+buffer takes the next frame the receiver waits for the copy out of it (`settle`). Device time:
+on CUDA the loads return once their copies and processing are queued, so the host's clock
+(`RefitStats.load_s`) misses the work itself; an event pair around each frame's staging copy,
+its apply and the post-load step measures each on the device's own timeline (the waits on the
+wire between frames fall outside every pair).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
+from common.errors import RefitError
 from common.packing import BucketLayout
 from common.plan import Bucket, RefitPlan
 from common.stats import RefitStats
@@ -33,23 +37,43 @@ class ApplyDevice:
         self._layouts: dict[int, BucketLayout] = {}
         self._staged_at = 0
         self.pairs: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._copied: torch.cuda.Event | None = None  # the last asynchronous staging copy's end
 
     def buffers(self) -> list[torch.Tensor]:
         """Its reused staging buffer, once there is one."""
         return [] if self._staged is None else [self._staged]
 
     def stage(self, payload: torch.Tensor, stats: RefitStats) -> torch.Tensor:
-        """The frame's bytes in the reused buffer on `device` (a copy from pageable host
-        memory: it returns once the bytes left the host buffer); as it is if already there."""
+        """The frame's bytes in the reused buffer on `device`; as it is if already there.
+        From page-locked memory the copy is queued (`settle` before the host buffer is
+        written again); from pageable memory it returns once the bytes left the host buffer."""
         if self.device is None or payload.device == self.device:
             return payload
         t0 = time.perf_counter()
         if self._staged is None or self._staged.numel() < payload.numel():
             self._staged = torch.empty(payload.numel(), dtype=torch.uint8, device=self.device)
         staged = self._staged[: payload.numel()]
-        staged.copy_(payload)
+        pinned = payload.is_pinned()
+        with self.timing(self.device, "stage"):
+            staged.copy_(payload, non_blocking=pinned)
+        if pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(self.device))
         stats.stage_s += time.perf_counter() - t0
         return staged
+
+    def settle(self, timeout_s: float, label: str) -> None:
+        """Return once the last asynchronous staging copy has read its host buffer (before
+        the receiver lets the next frame land there)."""
+        event, self._copied = self._copied, None
+        if event is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise RefitError(f"{label}: a staging copy onto {self.device} did not finish "
+                                 f"in {timeout_s:.0f}s (the device hangs?)")
+            time.sleep(0)
 
     def staged_views(self, bucket: Bucket, target: torch.Tensor,
                      plan: RefitPlan) -> list[tuple[str, torch.Tensor]]:

@@ -29,25 +29,31 @@ class Endpoint:
         self.num_buffers = plan.config.num_buffers
         self.checksums = plan.config.checksum and checksum.supported(group.device)
         self.payload_start = align_up(HEADER_BYTES, plan.config.alignment)
-        size = self.payload_start + plan.buffer_bytes
-        dev = group.device
-        self.buffers = [torch.empty(size, dtype=torch.uint8, device=dev)
+        self.headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8, device=group.device)
                         for _ in range(self.num_buffers)]
-        self.headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8, device=dev)
-                        for _ in range(self.num_buffers)]
-        # Each bucket always lands in the same buffer: its views are made once, here (a view
-        # costs microseconds of host time, several per bucket per refit otherwise).
-        self._frames = {b.index: self.buffers[b.index % self.num_buffers][
-            : self.payload_start + b.nbytes] for b in plan.buckets}
-        self._payloads = {i: v[self.payload_start :] for i, v in self._frames.items()}
-        self.layouts = {
-            b.index: BucketLayout(self.bucket_buffer(b)[self.payload_start :],
-                                  plan.bucket_specs(b), b.offsets)
-            for b in plan.buckets if not b.oversize
-        }
+        self.pinned = False  # bucket buffers in page-locked host memory (`make_buffers`)
+        self.make_buffers()
         self.sharding = Sharding(group, plan)
         self.compact: dict[int, CompactBuffers] = {}  # compact set -> its frame buffers
         self._replans = 0
+
+    def make_buffers(self, pinned: bool = False) -> None:
+        """The N bucket buffers and each bucket's views of them; `pinned`: page-locked host
+        memory (a host group staging onto a GPU: its copies there then run asynchronously)."""
+        self.pinned = pinned
+        size = self.payload_start + self.plan.buffer_bytes
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.group.device,
+                                    pin_memory=pinned) for _ in range(self.num_buffers)]
+        # Each bucket always lands in the same buffer: its views are made once, here (a view
+        # costs microseconds of host time, several per bucket per refit otherwise).
+        self._frames = {b.index: self.buffers[b.index % self.num_buffers][
+            : self.payload_start + b.nbytes] for b in self.plan.buckets}
+        self._payloads = {i: v[self.payload_start :] for i, v in self._frames.items()}
+        self.layouts = {
+            b.index: BucketLayout(self.bucket_buffer(b)[self.payload_start :],
+                                  self.plan.bucket_specs(b), b.offsets)
+            for b in self.plan.buckets if not b.oversize
+        }
 
     def agree_on_needs(self, needs: Needs | None, what: str) -> None:
         """The refit's first exchange (`Sharding.agree`); after a re-plan, the compact sets'
@@ -83,7 +89,8 @@ class Endpoint:
         """Where a direct bucket's bytes land: the payload region of its buffer, or a fresh
         tensor when it is larger than a buffer (oversize)."""
         if bucket.oversize:
-            return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.group.device)
+            return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.group.device,
+                               pin_memory=self.pinned)
         return self.payload(bucket)
 
     def bucket_buffer(self, bucket: Bucket) -> torch.Tensor:

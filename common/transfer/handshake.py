@@ -114,7 +114,7 @@ def exchange_status(group: Transport, stats: RefitStats, error: BaseException | 
              "wire_bytes": stats.wire_bytes, "need_set": stats.need_set,
              "delta_frames": stats.delta_frames}
     if stats.stage_s:  # host staging only
-        times["stage_s"] = stats.stage_s
+        times.update(stage_s=stats.stage_s, device_stage_s=stats.device_stage_s)
     if stats.device_apply_s:  # a GPU apply
         times.update(device_apply_s=stats.device_apply_s, device_post_s=stats.device_post_s)
     if stats.loaded_hash and error is None:  # a failed refit's record keeps room for its error

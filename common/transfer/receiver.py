@@ -58,6 +58,13 @@ class RefitReceiver(Endpoint):
         # where the worker applies (host staging onto it), and the apply's device time there
         self.apply = ApplyDevice()
 
+    def stage_onto(self, device: torch.device) -> None:
+        """Apply on `device` (a GPU worker in a host group): each frame is staged there, from
+        page-locked receive buffers (`ApplyDevice`)."""
+        self.apply.device = device
+        if device.type == "cuda" and not self.pinned:
+            self.make_buffers(pinned=True)
+
     def keep_base_of(self, old: RefitReceiver | None) -> None:
         """Carry `old`'s base over (a new group for the same plan: the next refit can still
         be a delta, and a failure of it rolled back)."""
@@ -179,6 +186,7 @@ class RefitReceiver(Endpoint):
               ordinal: int) -> tuple[list, torch.Tensor | None]:
         what = f"refit bucket {bucket.index}/{len(self.plan.buckets)}"
         src, sub = bucket.source_rank, route.sub
+        self.apply.settle(self.group.timeout_s, self.group.label)  # its buffer is free again
         if route.gather is not None:
             frame = self.frame(bucket, route, ordinal)[0]
             return [(self.group.broadcast(frame, src, sub), what)], None
@@ -320,6 +328,7 @@ class RefitReceiver(Endpoint):
         stats = RefitStats(-1, 0, 0, role="receiver")
         for bucket, route, ordinal in self.applied:
             payload = self.frame_payload(bucket, route, ordinal)
+            self.apply.settle(self.group.timeout_s, self.group.label)
             payload.copy_(self.base.base(bucket.index))
             if error := self._load(bucket, route, payload, on_bucket, on_compact, stats):
                 raise error
@@ -370,5 +379,6 @@ class RefitReceiver(Endpoint):
         stats.post_s = time.perf_counter() - t1
         stats.load_s += stats.post_s
         spans = self.apply.take()
+        stats.device_stage_s = spans.pop("stage", 0.0)
         stats.device_apply_s, stats.device_post_s = sum(spans.values()), spans.get("post", 0.0)
         return error
