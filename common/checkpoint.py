@@ -43,6 +43,23 @@ def checkpoint_tensors(model_dir: str | Path) -> dict[str, tuple[tuple[int, ...]
     return out
 
 
+def engine_dtypes(params: Mapping[str, torch.dtype], checkpoint: Mapping[str, tuple[Any, str]],
+                  model_dtype: torch.dtype, quantized: bool) -> Callable[[str], torch.dtype]:
+    """The dtype an engine takes each checkpoint tensor in: a param's of the same name (an
+    fp32 router bias); from a quantized checkpoint (block FP8) its own dtype, which the
+    quantized layers' loaders take as stored (e4m3 weights, fp32 scales under names vLLM
+    fuses, such as `q_proj`); else the model dtype."""
+
+    def kept(name: str) -> torch.dtype:
+        if name in params:
+            return params[name]
+        if quantized and name in checkpoint:
+            return getattr(torch, checkpoint[name][1])
+        return model_dtype
+
+    return kept
+
+
 def plan_problems(specs: Iterable[TensorSpec], checkpoint: Mapping[str, tuple[Sequence[int], Any]],
                   kept_dtype: Callable[[str], torch.dtype | None] | None = None,
                   holder: str = "the receiver", limit: int = 20) -> list[str]:

@@ -227,3 +227,27 @@ def test_fp8_checkpoint_without_quantization_has_no_targets(tmp_path) -> None:
 def test_fp8_targets_travel_as_json() -> None:
     t = Fp8Targets(BlockFp8Format((64, 32), ue8m0=True), frozenset({"x.weight", "y.weight"}))
     assert Fp8Targets.from_json(json.loads(json.dumps(t.to_json()))) == t
+
+
+def test_fp8_plan_fits_an_engine_serving_the_fp8_checkpoint(checkpoint, tmp_path) -> None:
+    """An FP8 engine's plan check (`engine_dtypes`, as the backend runs it): the quantized
+    weights and scales in their checkpoint dtypes, also under names vLLM fuses away; an
+    unquantized engine's model dtype, or a bf16 plan against the FP8 checkpoint, is refused."""
+    from common.checkpoint import checkpoint_tensors, engine_dtypes, plan_problems
+
+    targets, refs = checkpoint
+    path = tmp_path / "model.safetensors"
+    save_file(refs[1], str(path))
+    held = checkpoint_tensors(tmp_path)
+    bias = "model.layers.0.mlp.gate.e_score_correction_bias"
+    params = {bias: torch.float32, "model.layers.0.self_attn.o_proj.weight": torch.float8_e4m3fn}
+    bf16 = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in bf16_weights(1).items()]
+    fp8 = fp8_specs(bf16, targets)
+    assert plan_problems(fp8, held, engine_dtypes(params, held, torch.bfloat16, True)) == []
+    unquantized = plan_problems(fp8, held, engine_dtypes(params, held, torch.bfloat16, False))
+    assert any("q_proj.weight': plan dtype float8_e4m3fn, the receiver keeps it as bfloat16"
+               in p for p in unquantized), unquantized
+    as_bf16 = plan_problems([s for s in bf16 if s.name in held], held,
+                            engine_dtypes(params, held, torch.bfloat16, True))
+    assert any("q_proj.weight': plan dtype bfloat16, the receiver keeps it as float8_e4m3fn"
+               in p for p in as_bf16), as_bf16

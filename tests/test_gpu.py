@@ -10,7 +10,7 @@ from common.plan import RefitPlan
 from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
 from recipes.rank_runner import run_ranks
-from tests.multiproc import GatheringSource, expect_ok, receive_all
+from tests.multiproc import GatheringSource, expect_ok
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MIB = 1 << 20
@@ -326,7 +326,9 @@ def staged_rank(rank: int, world: int, port: int, buffers: int) -> dict:
     assert all(b.is_pinned() for b in receiver.buffers)
     out = {}
     for version in (1, 2, 3):
-        stats, got = receive_all(receiver)
+        got: dict = {}
+        stats = receiver.receive(lambda items, got=got: got.update(
+            {n: t.clone() for n, t in items}), on_done=lambda: None)  # on_done: spans taken
         torch.cuda.synchronize()
         want = make_tensors(0, version)
         assert all(t.device.type == "cuda" for t in got.values())

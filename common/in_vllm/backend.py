@@ -41,7 +41,7 @@ from vllm.model_executor.model_loader.reload.layerwise import (
     initialize_layerwise_reload,
 )
 
-from common.checkpoint import checkpoint_tensors, plan_problems
+from common.checkpoint import checkpoint_tensors, engine_dtypes, plan_problems
 from common.engine.state import RefitState
 from common.errors import ROLLED_BACK, NeedsRefusedError
 from common.in_vllm import loaded_hash, map_steps, undo
@@ -153,21 +153,17 @@ class RefitTransferEngine(LoadMapSteps, WeightTransferEngine[RefitInitInfo, Refi
         can (`common.checkpoint.plan_problems`).
 
         Names and shapes come from the checkpoint the engine was started from (vLLM has no
-        dry-run load); dtypes from the model: a tensor vLLM keeps under the same name (e.g. an
-        fp32 router bias) must arrive in that param's dtype, any other floating tensor in the
-        model dtype. Every checkpoint tensor must be in the plan, or its weight would go stale.
+        dry-run load); dtypes as `common.checkpoint.engine_dtypes` says. Every checkpoint
+        tensor must be in the plan, or its weight would go stale.
         """
-        model_dir = self.model_config.model
-        params = dict(self.model.named_parameters())
-        model_dtype = self.model_config.dtype
-
-        def kept(name: str) -> torch.dtype:
-            return params[name].dtype if name in params else model_dtype
-
-        problems = plan_problems(plan.specs, checkpoint_tensors(model_dir), kept, "the engine")
+        config = self.model_config
+        checkpoint = checkpoint_tensors(config.model)
+        kept = engine_dtypes({n: p.dtype for n, p in self.model.named_parameters()},
+                             checkpoint, config.dtype, config.quantization is not None)
+        problems = plan_problems(plan.specs, checkpoint, kept, "the engine")
         if not problems:
             return None
-        return (f"against the checkpoint this engine was started from ({model_dir}): "
+        return (f"against the checkpoint this engine was started from ({config.model}): "
                 + "; ".join(problems))
 
     def start_weight_update(self) -> None:
