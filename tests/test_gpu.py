@@ -344,3 +344,64 @@ def test_host_group_stages_frames_onto_the_gpu_from_page_locked_buffers(buffers:
     and the host buffer it reads takes the next frames only once it finished."""
     got = expect_ok(run_ranks(staged_rank, 2, buffers))[1]
     assert all(seconds > 0 for seconds in got.values()), got
+
+
+def staged_compact_rank(rank: int, world: int, port: int) -> dict:
+    """Shard-to-shard under host staging: rank 1 reads half of every tensor (compact frames,
+    from page-locked compact buffers), rank 2 every byte; both apply on the GPU."""
+    import numpy as np
+
+    from common.source import DictWeightSource
+    from common.transfer.sender import RefitReceiver
+    from tests.test_shard_core import CONFIG, bucket_image, needs_for, split_tensors
+
+    group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world, device="cpu",
+                       num_trainers=1, timeout_s=60)
+    if group.is_trainer:
+        sender = RefitSender.setup(group, RefitPlan.build(
+            DictWeightSource(split_tensors(1)).plan_specs(), CONFIG))
+        for version in (1, 2, 3):
+            sender.refit(DictWeightSource(split_tensors(version)), version)
+        return {}
+    receiver = RefitReceiver.setup(group)
+    receiver.stage_onto(torch.device("cuda", 0))
+    plan = receiver.plan
+    if rank == 1:
+        receiver.needs = needs_for(plan, 0)
+    out = {}
+    for version in (1, 2, 3):
+        want, checked = split_tensors(version), []
+
+        def whole(items: list, want: dict = want, checked: list = checked) -> None:
+            for name, got in items:
+                assert torch.equal(got.reshape(-1).view(torch.uint8).cpu(),
+                                   want[name].contiguous().reshape(-1).view(torch.uint8)), name
+            checked.append(len(items))
+
+        def compact(index: int, payload: torch.Tensor, want: dict = want,
+                    checked: list = checked) -> None:
+            assert payload.is_cuda
+            ranges, got = receiver.needs.buckets[index], payload.cpu().numpy()
+            image = bucket_image(plan, index, want)
+            for place, start, length in zip(ranges.placed(), ranges.starts, ranges.lengths,
+                                            strict=True):
+                assert np.array_equal(got[place : place + length],
+                                      image[start : start + length]), (index, start)
+            checked.append(1)
+
+        stats = receiver.receive(whole, on_compact=compact, version=version)
+        out[version] = {"need_set": stats.need_set, "checked": len(checked),
+                        "pinned": all(b.is_pinned() for c in receiver.compact.values()
+                                      for b in c.buffers)}
+    return out
+
+
+def test_host_staged_compact_frames_come_from_page_locked_buffers_bit_for_bit() -> None:
+    from common.source import DictWeightSource
+    from tests.test_shard_core import CONFIG, split_tensors
+
+    res = expect_ok(run_ranks(staged_compact_rank, 3))
+    buckets = len(RefitPlan.build(DictWeightSource(split_tensors(1)).plan_specs(),
+                                  CONFIG).buckets)
+    assert all(r["checked"] == buckets for rank in (1, 2) for r in res[rank].values()), res
+    assert res[1][3]["need_set"] != res[2][3]["need_set"] and res[1][3]["pinned"], res

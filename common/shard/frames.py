@@ -25,11 +25,13 @@ class CompactBuffers:
     """One compact need-set's N frame buffers on this rank."""
 
     def __init__(self, device: torch.device, payload_start: int, payload_bytes: int,
-                 num_buffers: int) -> None:
+                 num_buffers: int, pinned: bool = False) -> None:
+        """`pinned`: page-locked host memory (`Endpoint.make_buffers`)."""
         self.payload_start = payload_start
         # zeros, not empty: the first refit of a re-plan does not page-fault them in (CPU)
         self.buffers = [torch.zeros(payload_start + payload_bytes, dtype=torch.uint8,
-                                    device=device) for _ in range(num_buffers)]
+                                    device=device, pin_memory=pinned)
+                        for _ in range(num_buffers)]
         self.copies: dict[tuple[int, int], GatherCopy] = {}  # (slot, bucket) -> its copy
 
     def frame(self, slot: int, gather: Gather) -> torch.Tensor:

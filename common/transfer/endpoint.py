@@ -65,7 +65,8 @@ class Endpoint:
         for index in self.sharding.subgroups if shard is not None else ():
             if not shard.sets[index].full:
                 self.compact[index] = CompactBuffers(self.group.device, self.payload_start,
-                                                     shard.frame_bytes(index), self.num_buffers)
+                                                     shard.frame_bytes(index), self.num_buffers,
+                                                     self.pinned)
 
     def header(self, bucket: Bucket, version: int, error: BaseException | None,
                route: Route) -> Header:
