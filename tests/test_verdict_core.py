@@ -68,3 +68,20 @@ def test_verdict_every_trainer_returns_or_raises_rank0s_verdict(kind):
     assert outs[0]["v3"] == ("ok", "")  # rank 0 learns its verdict from its own commit
     kind1, msg1 = outs[1]["v3"]
     assert kind1 == "RefitAborted" and WHY in msg1 and "refit v3" in msg1, (kind1, msg1)
+
+
+def test_status_record_fits_its_slot_cutting_the_error_then_the_last_timings() -> None:
+    """A rank's end-of-refit record always fits (it used to loop forever when timings alone
+    overflowed): the error is cut first, then the last timings; the loaded-bytes hash stays."""
+    from common.transfer.handshake import STATUS_BYTES, decode_status, encode_status
+
+    cut = decode_status(encode_status("x" * 1000, {"seconds": 1.5}))
+    assert cut["error"].startswith("xxx") and cut["times"] == {"seconds": 1.5}
+    times = {**{f"t{i}_s": 1.234567 for i in range(60)}, "loaded_hash": "a" * 64}
+    raw = encode_status("", times, verdict=True)
+    kept = decode_status(raw)
+    assert len(raw) <= STATUS_BYTES and kept["verdict"]
+    assert kept["times"]["loaded_hash"] == "a" * 64 and "t0_s" in kept["times"]
+    assert "t59_s" not in kept["times"]
+    with pytest.raises(ValueError, match="cannot fit"):
+        encode_status("", {"loaded_hash": "a" * 600})

@@ -26,12 +26,18 @@ PlanCheck = Callable[[RefitPlan], str | None]
 def encode_status(error: str, times: dict[str, float], verdict: bool = False) -> bytes:
     """A rank's end-of-refit record: its error ("" if none), its own timings and (rank 0)
     whether a verdict follows the commit, as JSON that fits the status slot (the error text
-    is cut to fit)."""
+    is cut to fit, then the last timings dropped; never the loaded-bytes hash)."""
     record = {"times": {k: round(v, 6) if isinstance(v, float) else v
                         for k, v in times.items()}, "error": error,
               "verdict": verdict}
     while len(raw := json.dumps(record).encode()) > STATUS_BYTES:
-        record["error"] = record["error"][: -(len(raw) - STATUS_BYTES) - 3]
+        if record["error"]:
+            record["error"] = record["error"][: -(len(raw) - STATUS_BYTES) - 3]
+        elif seconds := [k for k in record["times"] if k.endswith("_s")]:
+            del record["times"][seconds[-1]]
+        else:
+            raise ValueError(f"a status record of {len(raw)} bytes cannot fit the "
+                             f"{STATUS_BYTES}-byte slot: {record}")
     return raw
 
 
