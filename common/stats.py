@@ -36,9 +36,8 @@ class RefitStats:
     role: str = "sender"
     # Each receiving rank's own timings ({"seconds", "wait_s", "load_s", "post_s",
     # "wire_bytes", "need_set", "delta_frames"}; "stage_s", "device_stage_s", "device_apply_s",
-    # "device_post_s",
-    # "loaded_hash" where it has them),
-    # from the status exchange at the end of a refit that landed.
+    # "device_post_s", "loaded_hash" where it has them), from the status exchange at the end
+    # of a refit that landed.
     receivers: dict[int, dict[str, float | str]] = field(default_factory=dict)
 
     @property
