@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from common.host_memory import host_bytes
 from common.kernels import native
 from common.kernels.pack_kernel import BufferKernel, block_for, kernel_available
 from common.packing import byte_view
@@ -26,11 +27,10 @@ class CompactBuffers:
 
     def __init__(self, device: torch.device, payload_start: int, payload_bytes: int,
                  num_buffers: int, pinned: bool = False) -> None:
-        """`pinned`: page-locked host memory (`Endpoint.make_buffers`)."""
+        """`pinned`: page-locked host memory where it can be (`Endpoint.make_buffers`)."""
         self.payload_start = payload_start
         # zeros, not empty: the first refit of a re-plan does not page-fault them in (CPU)
-        self.buffers = [torch.zeros(payload_start + payload_bytes, dtype=torch.uint8,
-                                    device=device, pin_memory=pinned)
+        self.buffers = [host_bytes(payload_start + payload_bytes, device, pinned, zeros=True)
                         for _ in range(num_buffers)]
         self.copies: dict[tuple[int, int], GatherCopy] = {}  # (slot, bucket) -> its copy
 

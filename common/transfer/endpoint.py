@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from common.host_memory import host_bytes
 from common.packing import BucketLayout
 from common.plan import Bucket, RefitPlan, align_up
 from common.shard.frames import CompactBuffers
@@ -42,8 +43,8 @@ class Endpoint:
         memory (a host group staging onto a GPU: its copies there then run asynchronously)."""
         self.pinned = pinned
         size = self.payload_start + self.plan.buffer_bytes
-        self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.group.device,
-                                    pin_memory=pinned) for _ in range(self.num_buffers)]
+        self.buffers = [host_bytes(size, self.group.device, pinned)
+                        for _ in range(self.num_buffers)]
         # Each bucket always lands in the same buffer: its views are made once, here (a view
         # costs microseconds of host time, several per bucket per refit otherwise).
         self._frames = {b.index: self.buffers[b.index % self.num_buffers][
@@ -90,8 +91,7 @@ class Endpoint:
         """Where a direct bucket's bytes land: the payload region of its buffer, or a fresh
         tensor when it is larger than a buffer (oversize)."""
         if bucket.oversize:
-            return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.group.device,
-                               pin_memory=self.pinned)
+            return host_bytes(bucket.nbytes, self.group.device, self.pinned)
         return self.payload(bucket)
 
     def bucket_buffer(self, bucket: Bucket) -> torch.Tensor:
