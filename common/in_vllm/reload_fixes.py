@@ -20,12 +20,20 @@ class ReloadFixes:
         # as `experts` and `experts.routed_experts`) loads under one of its names
         self._param_of = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
         self._model = model
+        self._complete: frozenset[str] = frozenset()  # names a refit filled every param with
 
     def missing(self, loaded: set[str]) -> list[str]:
         """The loadable params no name of which was `loaded` (a name a loader reports may
-        also reach its param through a module attribute that is not a registration)."""
+        also reach its param through a module attribute that is not a registration). The
+        names of the last refit that filled every param are kept: a learned map reports the
+        same ones each refit, and comparing sets costs a fraction of resolving each name."""
+        if loaded == self._complete:
+            return []
         filled = {self._param_of.get(n) or _attribute_id(self._model, n) for n in loaded}
-        return sorted(n for n in self.loadable if self._param_of[n] not in filled)
+        missing = sorted(n for n in self.loadable if self._param_of[n] not in filled)
+        if not missing:
+            self._complete = frozenset(loaded)
+        return missing
 
     def describe_missing(self, loaded: set[str]) -> str | None:
         """Why the check fails, naming a missing param and what was loaded beside it."""
