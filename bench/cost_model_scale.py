@@ -129,7 +129,7 @@ def figures() -> dict[str, Figure]:
     return out | assumed_at_scale()
 
 
-CUDA_ENGINE_RUN = "cuda_engine_h100_run2"  # the newest `bench/cuda_engine_bench.py` run
+CUDA_ENGINE_RUN = "cuda_engine_h100_run3"  # the newest `bench/cuda_engine_bench.py` run
 
 
 def cuda_engine_figures() -> tuple[Figure, Figure]:

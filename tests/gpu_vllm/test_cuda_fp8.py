@@ -50,6 +50,16 @@ def bf16_model(arch: str):
     return model.to(torch.bfloat16)
 
 
+def checkpoint_state(model, path: Path) -> dict[str, torch.Tensor]:
+    """The model's weights as its checkpoint holds them (`save_pretrained`): experts one by
+    one (`experts.{e}.gate_proj.weight`), the layout FP8 checkpoints quantize, not the fused
+    3-D tensors transformers keeps in memory."""
+    from safetensors.torch import load_file
+
+    model.save_pretrained(str(path))
+    return load_file(str(path / "model.safetensors"))
+
+
 def is_fp8(name: str) -> bool:
     """What an FP8 checkpoint quantizes: the linear layers (not the router `mlp.gate`)."""
     return name.endswith("proj.weight")
@@ -71,15 +81,19 @@ def fp8_checkpoint(model, state: dict[str, torch.Tensor], path: Path) -> Path:
     for f in path.glob("*.safetensors"):
         f.unlink()
     save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    # vLLM quantizes every linear layer not listed, the router `mlp.gate` too: as Qwen's own FP8
+    # checkpoints do, the config lists the layers kept in bf16.
+    kept = sorted(n.removesuffix(".weight") for n in state if n.endswith("mlp.gate.weight"))
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "quantization_config": QUANT}))
+    quant = {**QUANT, "modules_to_not_convert": kept}
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
     return path
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 def test_cuda_fp8_engine_takes_quantized_refits_and_equals_a_fresh_engine(arch, tmp_path):
     model = bf16_model(arch)
-    versions = {0: {n: t.detach().clone() for n, t in model.state_dict().items()}}
+    versions = {0: checkpoint_state(model, tmp_path / "bf16")}
     for v in (1, 2, 3):
         versions[v] = dict(versions[v - 1])
         perturb(versions[v], v)
