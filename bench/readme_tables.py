@@ -172,7 +172,8 @@ def delta_models() -> str:
                    "undo log's cost: full / delta", "encode / rebuild, x one copy"], rows)
 
 
-CUDA_RUNS = ["cuda_engine_h200", "cuda_engine_h100", "cuda_engine_h100_run2", "cuda_engine_h100_run3"]  # oldest first
+CUDA_RUNS = ["cuda_engine_h200", "cuda_engine_h100", "cuda_engine_h100_run2",  # oldest first
+             "cuda_engine_h100_run3"]
 CUDA_MODELS = {"moe": "MoE-like: Qwen3-30B-A3B's 48 layers x 128 experts, small hidden sizes",
                "dense": "dense: Qwen3-8B's layers (4 of 36) and vocabulary"}
 

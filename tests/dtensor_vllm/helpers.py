@@ -107,3 +107,20 @@ def wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:
     while (left := [p for p in pids if running(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
+
+
+def apply_paths(engine) -> list[dict]:
+    """What each of the engine's workers reports of its last apply (path, map layers, hash)."""
+    keys = ("path", "tensors", "bytes", "why", "needs_bytes", "loaded_hash", "rolled_back",
+            "layers")
+    return [{k: r[k] for k in keys if k in r} for r in engine.apply_reports()]
+
+
+def same_params(name: str, got: dict, want: dict) -> None:
+    """Every param (after vLLM's processing) equals a fresh engine's, bit for bit."""
+    assert sorted(got) == sorted(want), f"{name}: param names differ from a fresh engine's"
+    as_bytes = [(n, got[n].contiguous().reshape(-1).view(torch.uint8),
+                 want[n].contiguous().reshape(-1).view(torch.uint8)) for n in want]
+    differ = [n for n, a, b in as_bytes if not torch.equal(a, b)]
+    assert not differ, f"{name}: {len(differ)} of {len(want)} params differ, e.g. {differ[:3]}"
+    print(f"[engine] {name}: {len(want)} params equal a fresh engine's bit for bit")

@@ -26,7 +26,7 @@ from common.clients.local_engine import LocalEngine
 from common.engine.config import EngineConfig
 from common.errors import RefitError
 from recipes.engines import join_one_trainer, tiny_llm_kwargs
-from tests.dtensor_vllm.helpers import DriftAt, greedy, perturb
+from tests.dtensor_vllm.helpers import DriftAt, apply_paths, greedy, perturb, same_params
 
 pytestmark = [pytest.mark.gpu_vllm, pytest.mark.slow]
 ARCHS = {"qwen3": ("qwen3", False), "qwen3_moe": ("qwen3_moe", False),
@@ -72,24 +72,6 @@ def _engine(model: str, **kwargs: object) -> LocalEngine:
                                     llm_kwargs=tiny_llm_kwargs(64), **kwargs))
 
 
-def _paths(engine: LocalEngine) -> list[dict]:
-    keys = ("path", "tensors", "bytes", "why", "needs_bytes", "loaded_hash", "rolled_back",
-            "layers")
-    return [{k: r[k] for k in keys if k in r} for r in engine.apply_reports()]
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _same_params(name: str, got: dict, want: dict) -> None:
-    """Every CUDA param (after vLLM's processing) equals a fresh engine's, bit for bit."""
-    assert sorted(got) == sorted(want), f"{name}: param names differ from a fresh engine's"
-    differ = [n for n in want if not torch.equal(_bytes(got[n]), _bytes(want[n]))]
-    assert not differ, f"{name}: {len(differ)} of {len(want)} params differ, e.g. {differ[:3]}"
-    print(f"[gpu] {name}: {len(want)} params equal a fresh engine's bit for bit")
-
-
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_cuda_engine_refits_learns_rolls_back_and_equals_a_fresh_engine(name, tmp_path):
     from safetensors.torch import load_file
@@ -111,7 +93,7 @@ def test_cuda_engine_refits_learns_rolls_back_and_equals_a_fresh_engine(name, tm
             for v in (1, 2, 3):
                 trainer.source.tensors = versions[v]
                 stats = trainer.refit(v)
-                print(f"[gpu] {name} v{v}: {stats.summary()}\n  {json.dumps(_paths(engine))}")
+                print(f"[gpu] {name} v{v}: {stats.summary()}\n  {json.dumps(apply_paths(engine))}")
             served = greedy(engine)
             if arch != "deepseek_v3":  # unquantized CUDA layers: processing keeps their bytes
                 layers = engine.apply_reports()[0].get("layers", {})
@@ -124,11 +106,11 @@ def test_cuda_engine_refits_learns_rolls_back_and_equals_a_fresh_engine(name, tm
                                     group=trainer.group)
             assert engine.engine_state().phase == "rolled_back"
             assert greedy(engine) == served, f"{name}: the rollback changed what v3 serves"
-            print(f"[gpu] {name} v4 rolled back: {json.dumps(_paths(engine))}")
+            print(f"[gpu] {name} v4 rolled back: {json.dumps(apply_paths(engine))}")
             trainer.source.tensors = versions[5]
             stats = trainer.refit(5)
-            print(f"[gpu] {name} v5: {stats.summary()}\n  {json.dumps(_paths(engine))}")
+            print(f"[gpu] {name} v5: {stats.summary()}\n  {json.dumps(apply_paths(engine))}")
             assert greedy(engine) == want, f"{name}: v5 differs from a fresh CUDA engine"
-            _same_params(name, engine.read(), want_params)
+            same_params(name, engine.read(), want_params)
         finally:
             trainer.group.destroy()
