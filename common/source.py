@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from common.dtype_policy import DtypePolicy
@@ -26,6 +28,31 @@ class RefusedTensor:
         return f"RefusedTensor({self.reason!r})"
 
 
+@dataclass(frozen=True)
+class PreparedBucket:
+    """What a source may yield in place of a whole bucket's `len(names)` items: the tensors by
+    address, the source having checked them itself (each of its spec's dtype and shape,
+    contiguous on `device`), so the sender makes no tensor per item. `views()` makes the
+    tensors for the paths that need them (a compact frame, a slot the pack kernel cannot
+    take, another device); `keep` holds their memory."""
+
+    names: tuple[str, ...]
+    ptrs: np.ndarray  # int64, one per name
+    views: Callable[[], list[torch.Tensor]]
+    device: torch.device  # where the addresses point
+    keep: tuple = ()
+
+
+def iter_items(it: Iterable) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """A source's output as (name, tensor) items, each `PreparedBucket` made into its own
+    (for readers of a source other than the sender: tests, tools)."""
+    for item in it:
+        if isinstance(item, PreparedBucket):
+            yield from zip(item.names, item.views(), strict=True)
+        else:
+            yield item
+
+
 @runtime_checkable
 class WeightSource(Protocol):
     """Where the sender gets full, converted tensors from.
@@ -37,7 +64,8 @@ class WeightSource(Protocol):
     be None. The sender drains the iterator even after an error, so those collectives stay in
     the same order on every rank. A yielded tensor must keep its values while the sender holds
     it, the next bucket's tensors taken meanwhile (an FP8 refit reads a bucket after taking the
-    next): a source must not write the next tensors into the memory of earlier ones.
+    next): a source must not write the next tensors into the memory of earlier ones. In place
+    of a bucket's items a source may yield one `PreparedBucket`.
     """
 
     def plan_specs(self) -> list[TensorSpec]: ...

@@ -83,7 +83,7 @@ def check_source() -> int:
     from common.plan import RefitPlan
     from common.quant.fp8_blocks import BlockFp8Format, _quantize_in_chunks
     from common.quant.fp8_plan import Fp8Source, Fp8Targets, scale_name
-    from common.source import DictWeightSource, RefusedTensor
+    from common.source import DictWeightSource, PreparedBucket, RefusedTensor, iter_items
 
     fmt = BlockFp8Format()
     weights = {f"layers.{i}.proj.weight": exact(shape, fmt.block, i)
@@ -97,10 +97,14 @@ def check_source() -> int:
     fp8_kernel.launch = lambda *args, **kw: launches.append(1) or real(*args, **kw)
     try:
         it = source.iter_tensors(plan)
-        got = dict([next(it)])
+        first = next(it)  # the first bucket by address: quantized by the kernel, all finite
+        assert isinstance(first, PreparedBucket), first
         layouts = source._bucket_layouts(plan)  # the second bucket launched before the first
         assert len(launches) == len(layouts[0].groups) + len(layouts[1].groups), launches
-        got.update(it)
+        views = first.views()
+        assert list(first.ptrs) == [t.data_ptr() for t in views]
+        got = dict(zip(first.names, views, strict=True))
+        got.update(iter_items(it))
     finally:
         fp8_kernel.launch = real
     assert len(got) == len(plan.specs) == 13 and len(plan.buckets) > 1
@@ -114,7 +118,7 @@ def check_source() -> int:
     first = layouts[0].names[layouts[0].targets[0][0]]  # a NaN in the first bucket: refused
     weights[first] = weights[first].clone()  # before that bucket is yielded, by name
     weights[first][3, 4] = float("nan")
-    bad = dict(source.iter_tensors(plan))
+    bad = dict(iter_items(source.iter_tensors(plan)))
     for name in (first, scale_name(first)):
         assert isinstance(bad[name], RefusedTensor) and "1 NaN" in bad[name].reason, bad[name]
     return len(got) + 1

@@ -174,6 +174,39 @@ def test_fp8_refit_bit_for_bit_with_deltas_shards_and_a_refused_nan(checkpoint) 
         assert r[3]["rolled_back"] > 0 and r[3]["checked_back"] > 0 and not r[3]["bad"], r[3]
 
 
+def test_fp8_source_hands_whole_buckets_to_the_sender_by_address() -> None:
+    """A bucket whose weights all quantize goes as one `PreparedBucket` (no tensor per item):
+    its addresses are those of its tensors, in plan order, and those equal the quantizer's
+    (scales sent in a later bucket than their weight too); a bucket holding a NaN goes item
+    by item, the weight and its scale refused by name."""
+    from common.quant.fp8_blocks import quantize
+    from common.source import DictWeightSource, PreparedBucket, RefusedTensor, iter_items
+
+    weights = bf16_weights(1)
+    targets = Fp8Targets(BlockFp8Format(), frozenset(n for n in weights if is_target(n)))
+    source = Fp8Source(DictWeightSource(weights), targets)
+    plan = RefitPlan.build(source.plan_specs(), dataclasses.replace(CONFIG, bucket_bytes=1 << 14))
+    items = list(source.iter_tensors(plan))
+    with_target = [tuple(s.name for s in plan.bucket_specs(b)) for b in plan.buckets
+                   if any(s.name in targets.names for s in plan.bucket_specs(b))]
+    prepared = [b for b in items if isinstance(b, PreparedBucket)]
+    assert [b.names for b in prepared] == with_target and len(with_target) > 2
+    for b in prepared:  # the rest (embedding, norms, router, a scale alone): item by item
+        assert b.ptrs.tolist() == [t.data_ptr() for t in b.views()]
+    got = dict(iter_items(items))
+    assert got.keys() == {s.name for s in plan.specs}
+    for name in targets.names:
+        q, s = quantize(name, weights[name].float().bfloat16(), targets.fmt)
+        assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
+        assert torch.equal(got[scale_name(name)], s), name
+    bad = "model.layers.0.mlp.experts.5.down_proj.weight"
+    weights[bad] = weights[bad].clone()
+    weights[bad][3, 5] = float("nan")
+    items = dict(iter_items(source.iter_tensors(plan)))
+    for name in (bad, scale_name(bad)):
+        assert isinstance(items[name], RefusedTensor) and "NaN" in items[name].reason, name
+
+
 def test_fp8_specs_turn_targets_into_the_checkpoint_format() -> None:
     fmt = BlockFp8Format()
     specs = [TensorSpec("a.weight", (200, 130), torch.bfloat16, 1),

@@ -181,6 +181,40 @@ class Fp8Batch:
     def __init__(self, named: list, out: list, done: list, finite: _FiniteFlag | None) -> None:
         self._named, self._out, self._done, self._finite = named, out, done, finite
 
+    def addresses(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Every tensor's e4m3 values' and scales' addresses (in the batch's order) when all
+        were quantized (held here, every scale finite; waits for the launches): a bucket can
+        go to the sender by address, no tensor per weight. None otherwise (`results` says
+        why). Call before `results`."""
+        n = len(self._named)
+        q_at, s_at = np.empty(n, np.int64), np.empty(n, np.int64)
+        for idx, q, s in self._done:
+            step = np.arange(len(idx), dtype=np.int64)
+            q_at[idx] = q.data_ptr() + step * q[0].numel() * q.element_size()
+            s_at[idx] = s.data_ptr() + step * s[0].numel() * s.element_size()
+        if self._done and not self._finite.value():
+            return None
+        if sum(len(idx) for idx, _, _ in self._done) < n:  # some one by one (no kernel)
+            launched = {i for idx, _, _ in self._done for i in idx}
+            for i, result in enumerate(self._out):
+                if i not in launched:
+                    if not isinstance(result, tuple):  # not held here, or why not
+                        return None
+                    q_at[i], s_at[i] = result[0].data_ptr(), result[1].data_ptr()
+        return q_at, s_at
+
+    def scale(self, i: int) -> torch.Tensor:
+        """Tensor `i`'s scales (for a scale sent after its weight's bucket)."""
+        for idx, _, s in self._done:
+            if i in idx:
+                return s[idx.index(i)]
+        return self._out[i][1]
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The quantized tensors' memory (what a bucket sent by address keeps alive)."""
+        return (*(t for _, q, s in self._done for t in (q, s)),
+                *(t for r in self._out if isinstance(r, tuple) for t in r))
+
     def results(self) -> list[tuple[torch.Tensor, torch.Tensor] | str | None]:
         if self._done:
             finite = self._finite.value()

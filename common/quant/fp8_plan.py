@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +23,10 @@ import torch
 
 from common.checkpoint import checkpoint_tensors
 from common.errors import FormatMismatchError
-from common.kernels import fp8_kernel, native
+from common.kernels import native
 from common.plan import RefitPlan, TensorSpec
 from common.quant.fp8_blocks import BlockFp8Format, Fp8Batch, start_batch
-from common.source import RefusedTensor, WeightSource
+from common.source import PreparedBucket, RefusedTensor, WeightSource
 
 SCALE_SUFFIX = "_scale_inv"
 _PLAIN = {"bfloat16", "float16", "float32"}  # sent as they are (the dtype policy decides which)
@@ -140,6 +141,11 @@ class _BucketLayout:
     scales: tuple[tuple[int, str], ...]  # (position, name)
     groups: tuple[tuple[int, ...], ...]  # indices into `targets` of one inner shape and dtype
 
+    @cached_property
+    def addressing(self) -> _Addressing:
+        """Where its addresses come from when it goes by address (`PreparedBucket`)."""
+        return _addressing(self)
+
 
 class Fp8Source:
     """`inner` with the engine's FP8 targets quantized after gathering and converting; its
@@ -167,12 +173,12 @@ class Fp8Source:
         (`_BucketLayout`), none of it per tensor and refit."""
         inner = self.inner.iter_tensors(self._inner_plan(plan))
         scales: dict[str, torch.Tensor | RefusedTensor | None] = {}
-        ahead = None  # the bucket launched last: (layout, names, tensors, batch)
+        ahead = None  # the bucket launched last: (layout, names, tensors, batch, addresses)
         for layout in self._bucket_layouts(plan):
             names, tensors = list(layout.names), [None] * len(layout.names)
             for k in layout.inner:
                 names[k], tensors[k] = next(inner)
-            launched = (layout, names, tensors, self._start(names, tensors, layout))
+            launched = (layout, names, tensors, *self._start(names, tensors, layout))
             if ahead is not None:
                 yield from self._settled(*ahead, scales)
             ahead = launched
@@ -180,17 +186,28 @@ class Fp8Source:
         if ahead is not None:
             yield from self._settled(*ahead, scales)
 
-    def _start(self, names: list[str], tensors: list, layout: _BucketLayout) -> Fp8Batch:
-        """The quantization of the bucket's targets (held on this rank), launched."""
+    def _start(self, names: list[str], tensors: list,
+               layout: _BucketLayout) -> tuple[Fp8Batch, np.ndarray | None]:
+        """The quantization of the bucket's targets (held on this rank), launched, and the
+        addresses of all the bucket's inner tensors when one native pass found them as
+        planned and contiguous on the targets' device."""
         named = [(names[k], tensors[k]) for k, _ in layout.targets]
-        return start_batch(named, self.targets.fmt, layout.groups,
-                           self._addresses(layout, named))
+        inner = self._inner_addresses(layout, names, tensors, named)
+        at = None if inner is None else inner[layout.addressing.target_inner]
+        return start_batch(named, self.targets.fmt, layout.groups, at), inner
 
-    @staticmethod
-    def _settled(layout: _BucketLayout, names: list[str], tensors: list, batch: Fp8Batch,
-                 scales: dict) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """The bucket's (name, tensor), its targets replaced by their e4m3 tensors (a target
-        not held here: None) and their scales kept in `scales` until their places come."""
+    def _settled(self, layout: _BucketLayout, names: list[str], tensors: list, batch: Fp8Batch,
+                 inner: np.ndarray | None,
+                 scales: dict) -> Iterator[tuple[str, torch.Tensor | None] | PreparedBucket]:
+        """The bucket: one `PreparedBucket` (by address) when the native pass found all its
+        inner tensors and every target quantized (held here, scales finite); else its (name,
+        tensor) items, its targets replaced by their e4m3 tensors (a target not held here:
+        None, one that cannot be quantized: a `RefusedTensor`) and their scales kept in
+        `scales` until their places come."""
+        if inner is not None and (found := batch.addresses()) is not None:
+            if (prepared := _prepared(layout, tensors, batch, inner, found, scales)) is not None:
+                yield prepared
+                return
         for (k, scale), result in zip(layout.targets, batch.results(), strict=True):
             if result is None or isinstance(result, tuple):
                 tensors[k], scales[scale] = result or (None, None)
@@ -200,19 +217,21 @@ class Fp8Source:
             tensors[k] = scales.pop(name, None)
         yield from zip(names, tensors, strict=True)
 
-    def _addresses(self, layout: _BucketLayout, named: list) -> np.ndarray | None:
-        """The targets' addresses when one native pass finds every one contiguous on one
-        device with its planned shape and dtype (the layout's groups then hold as planned);
-        None without the kernel, the native module, or where any is not so."""
+    def _inner_addresses(self, layout: _BucketLayout, names: list[str], tensors: list,
+                         named: list) -> np.ndarray | None:
+        """The addresses of the bucket's inner tensors (in `layout.inner` order) when one
+        native pass finds every one with its planned name, shape and dtype, contiguous on
+        the targets' device; None without the native module, or where any is not so."""
         x = named[0][1] if named else None
-        if not isinstance(x, torch.Tensor) or not fp8_kernel.available(x, self.targets.fmt.block):
+        if not isinstance(x, torch.Tensor):
             return None
         if (scan := self._scans.get((id(layout), x.device))) is None:
             if (module := native.load()) is None:
                 return None
-            specs = [self._inner_specs[name] for name, _ in named]
+            specs = [self._inner_specs[names[k]] for k in layout.inner]
             scan = self._scans[id(layout), x.device] = native.BucketScan(module, specs, x.device)
-        return scan.take(named)[1]
+        ptrs = scan.take([(names[k], tensors[k]) for k in layout.inner])[1]
+        return None if ptrs is None else ptrs.copy()
 
     def _bucket_layouts(self, plan: RefitPlan) -> list[_BucketLayout]:
         """Each bucket's `_BucketLayout` (made once per plan)."""
@@ -252,3 +271,66 @@ class Fp8Source:
                  for s in plan.specs if s.name not in scales]
         self._inner_plans[plan.digest] = RefitPlan(tuple(specs), plan.config)  # as ordered
         return self._inner_plans[plan.digest]
+
+
+@dataclass(frozen=True)
+class _Addressing:
+    """Where a bucket's addresses come from (numpy, made once per layout): the inner tensors'
+    positions; the targets' positions and their places in the inner order; the scales of this
+    bucket's targets (position, target); scales of earlier buckets' targets (position, name);
+    this bucket's targets whose scales come later (target, name)."""
+
+    inner_pos: np.ndarray
+    target_pos: np.ndarray
+    target_inner: np.ndarray
+    scale_pos: np.ndarray
+    scale_target: np.ndarray
+    carried_in: tuple[tuple[int, str], ...]
+    carried_out: tuple[tuple[int, str], ...]
+
+
+def _addressing(layout: _BucketLayout) -> _Addressing:
+    inner_at = {k: i for i, k in enumerate(layout.inner)}
+    target_of = {scale: t for t, (_, scale) in enumerate(layout.targets)}
+    here = [(k, target_of[n]) for k, n in layout.scales if n in target_of]
+    sent_here = {n for _, n in layout.scales}
+    return _Addressing(
+        np.array(layout.inner, np.int64), np.array([k for k, _ in layout.targets], np.int64),
+        np.array([inner_at[k] for k, _ in layout.targets], np.int64),
+        np.array([k for k, _ in here], np.int64), np.array([t for _, t in here], np.int64),
+        tuple((k, n) for k, n in layout.scales if n not in target_of),
+        tuple((t, n) for t, (_, n) in enumerate(layout.targets) if n not in sent_here))
+
+
+def _prepared(layout: _BucketLayout, tensors: list, batch: Fp8Batch, inner: np.ndarray,
+              found: tuple[np.ndarray, np.ndarray], scales: dict) -> PreparedBucket | None:
+    """The bucket by address: inner tensors where they are, targets' e4m3 values and scales
+    where the kernel wrote them, scales of earlier buckets' targets from `scales` (None when
+    one of those is not a tensor: the caller's items then say why)."""
+    a, (q_at, s_at) = layout.addressing, found
+    carried = [scales.get(n) for _, n in a.carried_in]
+    if not all(isinstance(c, torch.Tensor) for c in carried):
+        return None
+    for _, n in a.carried_in:
+        del scales[n]
+    for t, n in a.carried_out:
+        scales[n] = batch.scale(t)
+    ptrs = np.empty(len(layout.names), np.int64)
+    ptrs[a.inner_pos] = inner
+    ptrs[a.target_pos] = q_at
+    ptrs[a.scale_pos] = s_at[a.scale_target]
+    for (k, _), c in zip(a.carried_in, carried, strict=True):
+        ptrs[k] = c.data_ptr()
+
+    def views() -> list[torch.Tensor]:
+        out, results = list(tensors), batch.results()
+        for k, (q, _) in zip(a.target_pos.tolist(), results, strict=True):
+            out[k] = q
+        for k, t in zip(a.scale_pos.tolist(), a.scale_target.tolist(), strict=True):
+            out[k] = results[t][1]
+        for (k, _), c in zip(a.carried_in, carried, strict=True):
+            out[k] = c
+        return out
+
+    return PreparedBucket(layout.names, ptrs, views, tensors[a.target_pos[0]].device,
+                          (batch.buffers(), tensors, carried))

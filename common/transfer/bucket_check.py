@@ -10,7 +10,7 @@ first mismatch.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from operator import attrgetter, itemgetter
 
 import numpy as np
@@ -19,7 +19,7 @@ import torch
 from common.errors import RefitError, TensorMismatchError
 from common.kernels import native
 from common.plan import Bucket, RefitPlan, TensorSpec, dtype_name
-from common.source import RefusedTensor
+from common.source import PreparedBucket, RefusedTensor
 
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _NAME, _DTYPE, _SHAPE = attrgetter("name"), attrgetter("dtype"), attrgetter("shape")
@@ -47,11 +47,12 @@ class BucketChecker:
 
     def __init__(self, plan: RefitPlan, rank: int, device: torch.device, label: str,
                  use_native: bool = True) -> None:
-        self.plan, self.rank, self.label = plan, rank, label
+        self.plan, self.rank, self.label, self.device = plan, rank, label, device
         mine = [b for b in plan.buckets if b.source_rank == rank]
         module = native.load() if use_native else None
         self.scans = {} if module is None else {
             b.index: native.BucketScan(module, plan.bucket_specs(b), device) for b in mine}
+        self._names: dict[int, tuple[str, ...]] = {}
         self.expected = {  # for the Python path
             b.index: tuple(list(map(f, plan.bucket_specs(b))) for f in (_NAME, _DTYPE, _SHAPE))
             for b in mine if b.index not in self.scans
@@ -62,7 +63,10 @@ class BucketChecker:
         """The bucket's tensors (none on a rank that does not send it), checked against the
         plan, and their addresses when the native scan collected them."""
         specs = self.plan.bucket_specs(bucket)
-        items = list(itertools.islice(it, len(specs)))
+        first = next(it, None)
+        if isinstance(first, PreparedBucket):
+            return self._prepared(first, bucket, version)
+        items = [first, *itertools.islice(it, len(specs) - 1)] if first is not None else []
         if len(items) < len(specs):
             raise RefitError(f"weight source ended at {specs[len(items)].name!r} (tensor "
                              f"#{bucket.start + len(items)}); the plan has {len(self.plan.specs)}")
@@ -80,6 +84,25 @@ class BucketChecker:
                                           f"{bucket.index} tensor #{bucket.start + i} {why}")
         return list(map(_SECOND, items)), None  # a mismatch only the native scan saw
 
+    def _prepared(self, prepared: PreparedBucket, bucket: Bucket,
+                  version: int) -> tuple[Sequence[torch.Tensor], np.ndarray | None]:
+        """A bucket its source checked (`PreparedBucket`): its names must be the plan's."""
+        if prepared.names != self.names(bucket):
+            raise RefitError(f"{self.label}: refit v{version} bucket {bucket.index}: the "
+                             f"weight source prepared {len(prepared.names)} tensors from "
+                             f"{prepared.names[:1]}; the plan has {len(self.names(bucket))} "
+                             f"from {self.names(bucket)[:1]}")
+        if self.rank != bucket.source_rank:
+            return [], None
+        here = _index(prepared.device) == _index(self.device)  # else the pack moves them
+        return LazyTensors(prepared), prepared.ptrs if here else None
+
+    def names(self, bucket: Bucket) -> tuple[str, ...]:
+        """The bucket's planned names (a tuple, compared as one)."""
+        if (known := self._names.get(bucket.index)) is None:
+            known = self._names[bucket.index] = tuple(map(_NAME, self.plan.bucket_specs(bucket)))
+        return known
+
     def _same(self, bucket: Bucket, items: list) -> bool:
         """Whole-list comparisons: C-level `map`s, no Python bytecode per tensor."""
         names, dtypes, shapes = self.expected[bucket.index]
@@ -90,3 +113,26 @@ class BucketChecker:
             return list(map(_DTYPE, tensors)) == dtypes and list(map(_SHAPE, tensors)) == shapes
         except AttributeError:  # a None (or not-a-tensor) item: the per-tensor path names it
             return False
+
+
+def _index(device: torch.device) -> tuple[str, int | None]:
+    """A device with its index made explicit (`cuda` is the current one)."""
+    if device.type == "cuda" and device.index is None:
+        return "cuda", torch.cuda.current_device()
+    return device.type, device.index
+
+
+class LazyTensors(Sequence):
+    """A `PreparedBucket`'s tensors, made on first use only (the pack kernel takes the
+    addresses; a compact frame or a fallback pack takes the tensors)."""
+
+    def __init__(self, prepared: PreparedBucket) -> None:
+        self._prepared, self._made = prepared, None
+
+    def __len__(self) -> int:
+        return len(self._prepared.names)
+
+    def __getitem__(self, i):
+        if self._made is None:
+            self._made = self._prepared.views()
+        return self._made[i]
