@@ -11,9 +11,11 @@
 #   scripts/gpu_vllm.sh sweep   the sender sweep, its calibration run, the FP8 bench (no vLLM: no chunks;
 #                               GRAPH_SEND=off leaves out the frames sent by graph replay;
 #                               SWEEP_ARGS: more sender_sweep.py arguments, e.g. "--buffers 2,3")
-# Logs and results go to $OUT (default: gpu_out/).
+# Logs and results go to $OUT (default: gpu_out/), named after the GPU (h100, h200, ...).
 set -uo pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
+      grep -oiE '[A-Z][0-9]{3}' | head -1 | tr 'A-Z' 'a-z'); gpu=${gpu:-gpu}
 if [ "${1:-}" = prepare ]; then
   [ -d .whl/c00 ] || bash ../shared/tools/cuda_vllm/prepare.sh || exit 1
   exec python3 -m pip download -q --no-deps -d .whl/extra compressed-tensors==0.17.0 loguru==0.7.3
@@ -22,18 +24,18 @@ if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by t
   # Five JSON files and one log in $OUT (a device call brings back 8 files at most).
   export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=1
   logs=$(mktemp -d)
-  python3 bench/broadcast_bench.py --out "$out/gpu_h200x1_sweep_cal.json" > "$logs/cal.log" 2>&1
+  python3 bench/broadcast_bench.py --out "$out/gpu_${gpu}x1_sweep_cal.json" > "$logs/cal.log" 2>&1
   python3 bench/sender_sweep.py --graph-send "${GRAPH_SEND:-both}" ${SWEEP_ARGS:-} \
-    --out "$out/sender_sweep_h200.json" > "$logs/sweep.log" 2>&1
+    --out "$out/sender_sweep_${gpu}.json" > "$logs/sweep.log" 2>&1
   rc=$?
-  python3 bench/sender_host_bench.py --device cuda --profile 30 --out "$out/sender_host_h200.json" \
+  python3 bench/sender_host_bench.py --device cuda --profile 30 --out "$out/sender_host_${gpu}.json" \
     > "$logs/sender_host.log" 2>&1; host=$?
   if [ "${GRAPH_SEND:-both}" != off ]; then
     python3 bench/sender_host_bench.py --device cuda --graph-send --profile 30 \
-      --out "$out/sender_host_graph_h200.json" > "$logs/sender_host_graph.log" 2>&1
+      --out "$out/sender_host_graph_${gpu}.json" > "$logs/sender_host_graph.log" 2>&1
     host=$(( host || $? ))
   fi
-  python3 bench/fp8_bench.py --profile 30 --out "$out/fp8_h200.json" > "$logs/fp8.log" 2>&1; fp8=$?  # issue 38
+  python3 bench/fp8_bench.py --profile 30 --out "$out/fp8_${gpu}.json" > "$logs/fp8.log" 2>&1; fp8=$?  # issue 38
   cat "$logs"/*.log > "$out/sweep_logs.txt"
   tail -n 2 "$logs"/*.log
   exit $(( rc || host || fp8 ))
@@ -61,6 +63,6 @@ case "${1:-tests}" in
     run tests/gpu_vllm/test_cuda_recipes.py > "$out/gpu_recipes.log" 2>&1
     rc=$?; tail -n 3 "$out/gpu_recipes.log"; exit $rc;;
   bench)
-    python3 bench/cuda_engine_bench.py --out "$out/cuda_engine_h200.json" > "$out/bench.log" 2>&1
+    python3 bench/cuda_engine_bench.py --out "$out/cuda_engine_${gpu}.json" > "$out/bench.log" 2>&1
     rc=$?; tail -n 4 "$out/bench.log"; exit $rc;;
 esac
