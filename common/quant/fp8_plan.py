@@ -12,6 +12,7 @@ same on every rank since every rank computes it from the same targets. No vllm i
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -173,41 +174,44 @@ class Fp8Source:
         (`_BucketLayout`), none of it per tensor and refit."""
         inner = self.inner.iter_tensors(self._inner_plan(plan))
         scales: dict[str, torch.Tensor | RefusedTensor | None] = {}
-        ahead = None  # the bucket launched last: (layout, names, tensors, batch, addresses)
+        ahead = None  # the bucket launched last: (layout, its inner items, batch, addresses)
         for layout in self._bucket_layouts(plan):
-            names, tensors = list(layout.names), [None] * len(layout.names)
-            for k in layout.inner:
-                names[k], tensors[k] = next(inner)
-            launched = (layout, names, tensors, *self._start(names, tensors, layout))
+            got = list(itertools.islice(inner, len(layout.inner)))  # (name, tensor), in order
+            if len(got) < len(layout.inner):
+                raise ValueError(f"the weight source ended before {layout.names[0]!r}'s bucket "
+                                 f"was complete ({len(got)} of {len(layout.inner)} tensors)")
+            launched = (layout, got, *self._start(got, layout))
             if ahead is not None:
                 yield from self._settled(*ahead, scales)
             ahead = launched
-            del names, tensors, launched
+            del got, launched
         if ahead is not None:
             yield from self._settled(*ahead, scales)
 
-    def _start(self, names: list[str], tensors: list,
-               layout: _BucketLayout) -> tuple[Fp8Batch, np.ndarray | None]:
+    def _start(self, got: list, layout: _BucketLayout) -> tuple[Fp8Batch, np.ndarray | None]:
         """The quantization of the bucket's targets (held on this rank), launched, and the
-        addresses of all the bucket's inner tensors when one native pass found them as
-        planned and contiguous on the targets' device."""
-        named = [(names[k], tensors[k]) for k, _ in layout.targets]
-        inner = self._inner_addresses(layout, names, tensors, named)
+        addresses of all the bucket's inner items (`got`) when one native pass found them
+        as planned and contiguous on the targets' device."""
+        named = [got[i] for i in layout.addressing.target_inner.tolist()]
+        inner = self._inner_addresses(layout, got, named)
         at = None if inner is None else inner[layout.addressing.target_inner]
         return start_batch(named, self.targets.fmt, layout.groups, at), inner
 
-    def _settled(self, layout: _BucketLayout, names: list[str], tensors: list, batch: Fp8Batch,
-                 inner: np.ndarray | None,
+    @staticmethod
+    def _settled(layout: _BucketLayout, got: list, batch: Fp8Batch, inner: np.ndarray | None,
                  scales: dict) -> Iterator[tuple[str, torch.Tensor | None] | PreparedBucket]:
         """The bucket: one `PreparedBucket` (by address) when the native pass found all its
-        inner tensors and every target quantized (held here, scales finite); else its (name,
+        inner items and every target quantized (held here, scales finite); else its (name,
         tensor) items, its targets replaced by their e4m3 tensors (a target not held here:
         None, one that cannot be quantized: a `RefusedTensor`) and their scales kept in
         `scales` until their places come."""
         if inner is not None and (found := batch.addresses()) is not None:
-            if (prepared := _prepared(layout, tensors, batch, inner, found, scales)) is not None:
+            if (prepared := _prepared(layout, got, batch, inner, found, scales)) is not None:
                 yield prepared
                 return
+        names, tensors = list(layout.names), [None] * len(layout.names)
+        for k, (name, tensor) in zip(layout.inner, got, strict=True):
+            names[k], tensors[k] = name, tensor
         for (k, scale), result in zip(layout.targets, batch.results(), strict=True):
             if result is None or isinstance(result, tuple):
                 tensors[k], scales[scale] = result or (None, None)
@@ -217,20 +221,20 @@ class Fp8Source:
             tensors[k] = scales.pop(name, None)
         yield from zip(names, tensors, strict=True)
 
-    def _inner_addresses(self, layout: _BucketLayout, names: list[str], tensors: list,
+    def _inner_addresses(self, layout: _BucketLayout, got: list,
                          named: list) -> np.ndarray | None:
-        """The addresses of the bucket's inner tensors (in `layout.inner` order) when one
-        native pass finds every one with its planned name, shape and dtype, contiguous on
-        the targets' device; None without the native module, or where any is not so."""
+        """The addresses of the bucket's inner items (in `layout.inner` order) when one native
+        pass finds every one with its planned name, shape and dtype, contiguous on the
+        targets' device; None without the native module, or where any is not so."""
         x = named[0][1] if named else None
         if not isinstance(x, torch.Tensor):
             return None
         if (scan := self._scans.get((id(layout), x.device))) is None:
             if (module := native.load()) is None:
                 return None
-            specs = [self._inner_specs[names[k]] for k in layout.inner]
+            specs = [self._inner_specs[layout.names[k]] for k in layout.inner]
             scan = self._scans[id(layout), x.device] = native.BucketScan(module, specs, x.device)
-        ptrs = scan.take([(names[k], tensors[k]) for k in layout.inner])[1]
+        ptrs = scan.take(got)[1]
         return None if ptrs is None else ptrs.copy()
 
     def _bucket_layouts(self, plan: RefitPlan) -> list[_BucketLayout]:
@@ -302,11 +306,11 @@ def _addressing(layout: _BucketLayout) -> _Addressing:
         tuple((t, n) for t, (_, n) in enumerate(layout.targets) if n not in sent_here))
 
 
-def _prepared(layout: _BucketLayout, tensors: list, batch: Fp8Batch, inner: np.ndarray,
+def _prepared(layout: _BucketLayout, got: list, batch: Fp8Batch, inner: np.ndarray,
               found: tuple[np.ndarray, np.ndarray], scales: dict) -> PreparedBucket | None:
-    """The bucket by address: inner tensors where they are, targets' e4m3 values and scales
-    where the kernel wrote them, scales of earlier buckets' targets from `scales` (None when
-    one of those is not a tensor: the caller's items then say why)."""
+    """The bucket by address: inner items (`got`) where they are, targets' e4m3 values and
+    scales where the quantizer wrote them, scales of earlier buckets' targets from `scales`
+    (None when one of those is not a tensor: the caller's items then say why)."""
     a, (q_at, s_at) = layout.addressing, found
     carried = [scales.get(n) for _, n in a.carried_in]
     if not all(isinstance(c, torch.Tensor) for c in carried):
@@ -323,7 +327,9 @@ def _prepared(layout: _BucketLayout, tensors: list, batch: Fp8Batch, inner: np.n
         ptrs[k] = c.data_ptr()
 
     def views() -> list[torch.Tensor]:
-        out, results = list(tensors), batch.results()
+        out, results = [None] * len(layout.names), batch.results()
+        for k, (_, tensor) in zip(layout.inner, got, strict=True):
+            out[k] = tensor
         for k, (q, _) in zip(a.target_pos.tolist(), results, strict=True):
             out[k] = q
         for k, t in zip(a.scale_pos.tolist(), a.scale_target.tolist(), strict=True):
@@ -332,5 +338,5 @@ def _prepared(layout: _BucketLayout, tensors: list, batch: Fp8Batch, inner: np.n
             out[k] = c
         return out
 
-    return PreparedBucket(layout.names, ptrs, views, tensors[a.target_pos[0]].device,
-                          (batch.buffers(), tensors, carried))
+    return PreparedBucket(layout.names, ptrs, views, got[a.target_inner[0]][1].device,
+                          (batch.buffers(), got, carried))
