@@ -79,10 +79,20 @@ def plan_problems(specs: Iterable[TensorSpec], checkpoint: Mapping[str, tuple[Se
                             f"shape {list(shape)}")
         elif want is not None and spec.dtype.is_floating_point and spec.dtype != want:
             problems.append(f"tensor {spec.name!r}: plan dtype {dtype_name(spec.dtype)}, "
-                            f"{holder} keeps it as {dtype_name(want)}")
+                            f"{holder} keeps it as {dtype_name(want)}"
+                            + _requantized(want, checkpoint[spec.name][1]))
     planned = {spec.name for spec in specs}
     problems += [f"checkpoint tensor {n!r} is not in the plan (its weight would go stale)"
                  for n in checkpoint if n not in planned]
     if len(problems) > limit:
         problems = [*problems[:limit], f"... and {len(problems) - limit} more"]
     return problems
+
+
+def _requantized(kept: torch.dtype, stored: Any) -> str:
+    """Why an engine holds in FP8 a tensor its checkpoint stores unquantized, or ''."""
+    if kept.is_floating_point and kept.itemsize == 1 and not str(stored).startswith("float8"):
+        return (f", though the checkpoint stores it as {stored}: vLLM quantizes every linear "
+                "layer the quantization_config does not list in modules_to_not_convert (or "
+                "ignored_layers); FP8 checkpoints list their MoE routers there")
+    return ""

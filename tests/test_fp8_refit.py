@@ -284,3 +284,8 @@ def test_fp8_plan_fits_an_engine_serving_the_fp8_checkpoint(checkpoint, tmp_path
                             engine_dtypes(params, held, torch.bfloat16, True))
     assert any("q_proj.weight': plan dtype bfloat16, the receiver keeps it as float8_e4m3fn"
                in p for p in as_bf16), as_bf16
+    router = "model.layers.0.mlp.gate.weight"  # vLLM quantized a router the config did not list
+    unlisted = plan_problems(fp8, held, engine_dtypes({**params, router: torch.float8_e4m3fn},
+                                                      held, torch.bfloat16, True))
+    assert len(unlisted) == 1 and router in unlisted[0], unlisted
+    assert "stores it as bfloat16" in unlisted[0] and "modules_to_not_convert" in unlisted[0]
