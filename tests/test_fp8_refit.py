@@ -207,6 +207,16 @@ def test_fp8_source_hands_whole_buckets_to_the_sender_by_address() -> None:
         assert isinstance(items[name], RefusedTensor) and "NaN" in items[name].reason, name
 
 
+def test_fp8_frames_by_address_hold_the_quantizers_bytes() -> None:
+    """gloo, world size 1: the frames the sender packed from buckets handed over by address
+    (`tests/fp8_frames.py`; the GPU machine runs it on NCCL, eager and by graph replay)."""
+    from tests.fp8_frames import frames_hold_the_quantizers_bytes
+
+    assert frames_hold_the_quantizers_bytes("cpu") == len(fp8_specs(
+        [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in bf16_weights(1).items()],
+        Fp8Targets(BlockFp8Format(), frozenset(n for n in bf16_weights(1) if is_target(n)))))
+
+
 def test_fp8_specs_turn_targets_into_the_checkpoint_format() -> None:
     fmt = BlockFp8Format()
     specs = [TensorSpec("a.weight", (200, 130), torch.bfloat16, 1),

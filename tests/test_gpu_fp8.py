@@ -84,3 +84,12 @@ def test_fp8_cuda_kernel_equals_vllms_reference_where_importable() -> None:
             rq, rs = deep_gemm.per_block_cast_to_fp8(x, [128, 128], use_ue8m0=ue8m0)
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
         assert torch.equal(s.view(torch.int32), rs.view(torch.int32))
+
+
+@pytest.mark.parametrize("graph_send", [False, True])
+def test_fp8_cuda_frames_by_address_hold_the_quantizers_bytes(graph_send: bool) -> None:
+    """NCCL, world size 1: buckets quantized by the kernel go to the sender by address and its
+    frames (eager, or each one a graph replay) hold the quantizer's bytes."""
+    from tests.fp8_frames import frames_hold_the_quantizers_bytes
+
+    assert frames_hold_the_quantizers_bytes("cuda", graph_send) > 0

@@ -1,0 +1,60 @@
+"""An FP8 refit's frames on the sender, checked byte for byte (world size 1: the frames stay in
+the sender's buffers): run on gloo by `tests/test_fp8_refit.py` and on NCCL, eager and by graph
+replay, by `tests/test_gpu_fp8.py`."""
+
+from __future__ import annotations
+
+import torch
+
+from common.config import RefitConfig
+from common.plan import RefitPlan
+from common.quant.fp8_blocks import BlockFp8Format, quantize
+from common.quant.fp8_plan import Fp8Source, Fp8Targets, scale_name
+from common.source import DictWeightSource, PreparedBucket
+from common.transfer.sender import RefitSender
+from common.wire.group import RefitGroup, free_port
+from tests.test_fp8_refit import bf16_weights, is_target
+
+
+class CountingFp8Source(Fp8Source):
+    """Counts the buckets it hands over by address."""
+
+    prepared = 0
+
+    def iter_tensors(self, plan):
+        for item in super().iter_tensors(plan):
+            self.prepared += isinstance(item, PreparedBucket)
+            yield item
+
+
+def frames_hold_the_quantizers_bytes(device: str, graph_send: bool = False) -> int:
+    """One FP8 refit of `bf16_weights(1)` on `device`, every bucket in a buffer of its own:
+    each frame holds the e4m3 values and scales `quantize` gives and the other tensors as they
+    are, bit for bit, and the source handed over some buckets by address. Returns how many
+    tensors were checked."""
+    weights = {n: t.to(device) for n, t in bf16_weights(1).items()}
+    targets = Fp8Targets(BlockFp8Format(), frozenset(n for n in weights if is_target(n)))
+    source = CountingFp8Source(DictWeightSource(weights), targets)
+    config = RefitConfig(bucket_bytes=32 << 10, graph_send=graph_send, timeout_s=60)
+    buckets = len(RefitPlan.build(source.plan_specs(), config).buckets)
+    plan = RefitPlan.build(source.plan_specs(), RefitConfig(
+        bucket_bytes=32 << 10, num_buffers=buckets, graph_send=graph_send, timeout_s=60))
+    want = dict(weights)
+    for name in targets.names:
+        want[name], want[scale_name(name)] = quantize(name, weights[name], targets.fmt)
+    group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
+                       num_trainers=1, timeout_s=60, device=device)
+    try:
+        sender = RefitSender.setup(group, plan)
+        sender.refit(source, 1)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        checked = 0
+        for bucket in (b for b in plan.buckets if not b.direct):
+            for name, got in sender.layouts[bucket.index].unpack():
+                assert torch.equal(got.view(torch.uint8), want[name].view(torch.uint8)), name
+                checked += 1
+    finally:
+        group.destroy()
+    assert source.prepared > 1 and checked > len(targets.names), (source.prepared, checked)
+    return checked
