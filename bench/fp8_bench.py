@@ -71,13 +71,16 @@ def measure_list(group: RefitGroup, name: str, shapes: Shapes,
     config = RefitConfig(bucket_bytes=args.bucket_mib << 20, num_buffers=2, timeout_s=600)
     copy_s = copy_seconds(sum(t.numel() * 2 for t in tensors.values()), args, device)
     bf16_s, bf16_bytes = refit_seconds(group, bf16, config, args)
-    fp8_s, fp8_bytes = refit_seconds(group, Fp8Source(bf16, targets), config, args)
+    fp8 = Fp8Source(bf16, targets)
+    fp8_s, fp8_bytes = refit_seconds(group, fp8, config, args)
     sync(device)
+    buckets = len(RefitPlan.build(fp8.plan_specs(), config).buckets)
     return {"tensors": len(shapes), "fp8_tensors": len(targets.names), "bf16_bytes": bf16_bytes,
             "fp8_bytes": fp8_bytes, "copy_s": round(copy_s, 6), "bf16_refit_s": round(bf16_s, 6),
             "fp8_refit_s": round(fp8_s, 6), "fp8_over_copy": round(fp8_s / copy_s, 3),
             "bf16_over_copy": round(bf16_s / copy_s, 3),
-            "wire_fraction": round(fp8_bytes / bf16_bytes, 4)}
+            "wire_fraction": round(fp8_bytes / bf16_bytes, 4),
+            "buckets_by_address": f"{fp8.by_address} of {buckets}"}
 
 
 def main() -> int:
@@ -100,7 +103,7 @@ def main() -> int:
     for name, r in ((n, v) for n, v in report.items() if n != "hardware"):
         print(f"{name:14s} fp8 refit {r['fp8_refit_s'] * 1e3:9.2f} ms ({r['fp8_over_copy']:.2f}x "
               f"copy), bf16 {r['bf16_refit_s'] * 1e3:9.2f} ms ({r['bf16_over_copy']:.2f}x), "
-              f"wire {r['wire_fraction']:.3f} of bf16")
+              f"wire {r['wire_fraction']:.3f} of bf16, by address {r['buckets_by_address']}")
     runs = [v for k, v in report.items() if k != "hardware"]
     summary = {"quantize_pack_over_copy": max(r["fp8_over_copy"] for r in runs),
                "wire_fraction_fp8": max(r["wire_fraction"] for r in runs),

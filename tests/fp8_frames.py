@@ -10,21 +10,10 @@ from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.quant.fp8_blocks import BlockFp8Format, quantize
 from common.quant.fp8_plan import Fp8Source, Fp8Targets, scale_name
-from common.source import DictWeightSource, PreparedBucket
+from common.source import DictWeightSource
 from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
 from tests.test_fp8_refit import bf16_weights, is_target
-
-
-class CountingFp8Source(Fp8Source):
-    """Counts the buckets it hands over by address."""
-
-    prepared = 0
-
-    def iter_tensors(self, plan):
-        for item in super().iter_tensors(plan):
-            self.prepared += isinstance(item, PreparedBucket)
-            yield item
 
 
 def frames_hold_the_quantizers_bytes(device: str, graph_send: bool = False) -> int:
@@ -34,7 +23,7 @@ def frames_hold_the_quantizers_bytes(device: str, graph_send: bool = False) -> i
     tensors were checked."""
     weights = {n: t.to(device) for n, t in bf16_weights(1).items()}
     targets = Fp8Targets(BlockFp8Format(), frozenset(n for n in weights if is_target(n)))
-    source = CountingFp8Source(DictWeightSource(weights), targets)
+    source = Fp8Source(DictWeightSource(weights), targets)
     config = RefitConfig(bucket_bytes=32 << 10, graph_send=graph_send, timeout_s=60)
     buckets = len(RefitPlan.build(source.plan_specs(), config).buckets)
     plan = RefitPlan.build(source.plan_specs(), RefitConfig(
@@ -56,5 +45,5 @@ def frames_hold_the_quantizers_bytes(device: str, graph_send: bool = False) -> i
                 checked += 1
     finally:
         group.destroy()
-    assert source.prepared > 1 and checked > len(targets.names), (source.prepared, checked)
+    assert source.by_address > 1 and checked > len(targets.names), (source.by_address, checked)
     return checked

@@ -160,6 +160,7 @@ class Fp8Source:
         self._inner_plans: dict[str, RefitPlan] = {}
         self._layouts: dict[str, list[_BucketLayout]] = {}
         self._scans: dict[tuple, native.BucketScan] = {}  # (id(layout), device): its targets
+        self.by_address = 0  # buckets the last iteration handed over as `PreparedBucket`s
 
     def plan_specs(self) -> list[TensorSpec]:
         return fp8_specs(list(self._inner_specs.values()), self.targets)
@@ -174,6 +175,7 @@ class Fp8Source:
         (`_BucketLayout`), none of it per tensor and refit."""
         inner = self.inner.iter_tensors(self._inner_plan(plan))
         scales: dict[str, torch.Tensor | RefusedTensor | None] = {}
+        self.by_address = 0
         ahead = None  # the bucket launched last: (layout, its inner items, batch, addresses)
         for layout in self._bucket_layouts(plan):
             got = list(itertools.islice(inner, len(layout.inner)))  # (name, tensor), in order
@@ -197,8 +199,8 @@ class Fp8Source:
         at = None if inner is None else inner[layout.addressing.target_inner]
         return start_batch(named, self.targets.fmt, layout.groups, at), inner
 
-    @staticmethod
-    def _settled(layout: _BucketLayout, got: list, batch: Fp8Batch, inner: np.ndarray | None,
+    def _settled(self, layout: _BucketLayout, got: list, batch: Fp8Batch,
+                 inner: np.ndarray | None,
                  scales: dict) -> Iterator[tuple[str, torch.Tensor | None] | PreparedBucket]:
         """The bucket: one `PreparedBucket` (by address) when the native pass found all its
         inner items and every target quantized (held here, scales finite); else its (name,
@@ -207,6 +209,7 @@ class Fp8Source:
         `scales` until their places come."""
         if inner is not None and (found := batch.addresses()) is not None:
             if (prepared := _prepared(layout, got, batch, inner, found, scales)) is not None:
+                self.by_address += 1
                 yield prepared
                 return
         names, tensors = list(layout.names), [None] * len(layout.names)
