@@ -124,11 +124,29 @@ def check_source() -> int:
     return len(got) + 1
 
 
+def check_scale_alignment() -> int:
+    """Each launch's scales start 16-byte aligned in the batch's scale buffer (the pack kernel
+    copies 16-byte words from such sources), whatever the groups before it hold."""
+    from common.kernels import fp8_kernel
+    from common.quant.fp8_blocks import BlockFp8Format, start_batch
+
+    fmt, available = BlockFp8Format(), fp8_kernel.available
+    named = [(f"w{i}", exact(shape, fmt.block, i))  # 6 scales, 1 scale, 6 scales
+             for i, shape in enumerate([(200, 300), (128, 64), (200, 300)])]
+    fp8_kernel.available = lambda x, b: x.numel() > 0
+    try:
+        q_at, s_at = start_batch(named, fmt, [[0], [1], [2]]).addresses()
+    finally:
+        fp8_kernel.available = available
+    assert [int(a) % 16 for a in s_at] == [0, 0, 0], s_at
+    return 0
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     # UE8M0 scales need libdevice's log2 / exp2, which the interpreter lacks (the H200 tests)
     checked = sum(check_batch(block, ue8m0=False) for block in [(128, 128), (64, 32)])
-    checked += check_source()
+    checked += check_source() + check_scale_alignment()
     print(f"ok {checked}")
 
 

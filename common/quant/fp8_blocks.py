@@ -298,7 +298,9 @@ def _by_key(named: list, idx: Sequence[int]) -> list[list[int]]:
 def _launch_groups(named: list, groups: list[list[int]], fmt: BlockFp8Format,
                    addresses: np.ndarray | None) -> tuple[list, _FiniteFlag]:
     """One launch per group, every scale in one buffer with one finite check for all:
-    (positions, e4m3 values, scales) per group, and the check."""
+    (positions, e4m3 values, scales) per group, and the check. Each group's scales start 16
+    bytes aligned (the pack kernel copies 16-byte words from such sources), the padding
+    zeros (finite)."""
     device = named[groups[0][0]][1].device
     order = [i for idx in groups for i in idx]
     addrs = fp8_kernel.address_table(
@@ -306,15 +308,16 @@ def _launch_groups(named: list, groups: list[list[int]], fmt: BlockFp8Format,
         device)
     blocks = [fmt.scale_shape(named[idx[0]][1].shape) for idx in groups]
     sizes = [len(idx) * b[0] * b[1] for idx, b in zip(groups, blocks, strict=True)]
-    scales = torch.empty(sum(sizes), dtype=torch.float32, device=device)
-    done, at, first = [], 0, 0
-    for idx, b, size in zip(groups, blocks, sizes, strict=True):
+    starts = [0, *itertools.accumulate(-(-n // 4) * 4 for n in sizes)]
+    scales = torch.zeros(starts[-1], dtype=torch.float32, device=device)
+    done, first = [], 0
+    for idx, b, size, at in zip(groups, blocks, sizes, starts, strict=False):
         x = named[idx[0]][1]
         q = torch.empty((len(idx), *x.shape), dtype=fmt.dtype, device=device)
         s = scales[at:at + size].view(len(idx), *b)
         fp8_kernel.launch(addrs[first:first + len(idx)], x, q, s, fmt.block, fmt.ue8m0)
         done.append((idx, q, s))
-        at, first = at + size, first + len(idx)
+        first += len(idx)
     return done, _FiniteFlag(scales)
 
 
