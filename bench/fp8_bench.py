@@ -48,15 +48,15 @@ def lists(args: argparse.Namespace) -> dict[str, Shapes]:
 
 
 def refit_seconds(group: RefitGroup, source, config: RefitConfig,
-                  args: argparse.Namespace) -> tuple[float, int]:
-    """Median seconds of a refit of `source` (a world-size-1 group) and its plan's bytes."""
+                  args: argparse.Namespace) -> tuple[float, RefitPlan]:
+    """Median seconds of a refit of `source` (a world-size-1 group) and its plan."""
     plan = RefitPlan.build(source.plan_specs(), config)
     sender = RefitSender.setup(group, plan)
     version = iter(range(1, 1 << 30))
     times = timed(lambda: sender.refit(source, next(version)), args, group.device)
     if args.profile and isinstance(source, Fp8Source):
         profile_call(sender.refit, source, next(version), top=args.profile)
-    return statistics.median(times), plan.total_bytes
+    return statistics.median(times), plan
 
 
 def measure_list(group: RefitGroup, name: str, shapes: Shapes,
@@ -70,17 +70,17 @@ def measure_list(group: RefitGroup, name: str, shapes: Shapes,
                                                        and len(s) == 2))
     config = RefitConfig(bucket_bytes=args.bucket_mib << 20, num_buffers=2, timeout_s=600)
     copy_s = copy_seconds(sum(t.numel() * 2 for t in tensors.values()), args, device)
-    bf16_s, bf16_bytes = refit_seconds(group, bf16, config, args)
+    bf16_s, bf16_plan = refit_seconds(group, bf16, config, args)
     fp8 = Fp8Source(bf16, targets)
-    fp8_s, fp8_bytes = refit_seconds(group, fp8, config, args)
+    fp8_s, fp8_plan = refit_seconds(group, fp8, config, args)
     sync(device)
-    buckets = len(RefitPlan.build(fp8.plan_specs(), config).buckets)
+    bf16_bytes, fp8_bytes = bf16_plan.total_bytes, fp8_plan.total_bytes
     return {"tensors": len(shapes), "fp8_tensors": len(targets.names), "bf16_bytes": bf16_bytes,
             "fp8_bytes": fp8_bytes, "copy_s": round(copy_s, 6), "bf16_refit_s": round(bf16_s, 6),
             "fp8_refit_s": round(fp8_s, 6), "fp8_over_copy": round(fp8_s / copy_s, 3),
             "bf16_over_copy": round(bf16_s / copy_s, 3),
             "wire_fraction": round(fp8_bytes / bf16_bytes, 4),
-            "buckets_by_address": f"{fp8.by_address} of {buckets}"}
+            "buckets_by_address": f"{fp8.by_address} of {len(fp8_plan.buckets)}"}
 
 
 def main() -> int:

@@ -65,7 +65,8 @@ class WeightSource(Protocol):
     the same order on every rank. A yielded tensor must keep its values while the sender holds
     it, the next bucket's tensors taken meanwhile (an FP8 refit reads a bucket after taking the
     next): a source must not write the next tensors into the memory of earlier ones. In place
-    of a bucket's items a source may yield one `PreparedBucket`.
+    of a bucket's items a source may yield one `PreparedBucket` (`iter_items` turns it back
+    into items, for a wrapper or a reader other than the sender).
     """
 
     def plan_specs(self) -> list[TensorSpec]: ...

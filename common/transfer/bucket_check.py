@@ -94,8 +94,8 @@ class BucketChecker:
                              f"from {self.names(bucket)[:1]}")
         if self.rank != bucket.source_rank:
             return [], None
-        here = _index(prepared.device) == _index(self.device)  # else the pack moves them
-        return LazyTensors(prepared), prepared.ptrs if here else None
+        # the group's device has its index, as a tensor's has; elsewhere the pack moves them
+        return LazyTensors(prepared), prepared.ptrs if prepared.device == self.device else None
 
     def names(self, bucket: Bucket) -> tuple[str, ...]:
         """The bucket's planned names (a tuple, compared as one)."""
@@ -113,13 +113,6 @@ class BucketChecker:
             return list(map(_DTYPE, tensors)) == dtypes and list(map(_SHAPE, tensors)) == shapes
         except AttributeError:  # a None (or not-a-tensor) item: the per-tensor path names it
             return False
-
-
-def _index(device: torch.device) -> tuple[str, int | None]:
-    """A device with its index made explicit (`cuda` is the current one)."""
-    if device.type == "cuda" and device.index is None:
-        return "cuda", torch.cuda.current_device()
-    return device.type, device.index
 
 
 class LazyTensors(Sequence):
