@@ -33,7 +33,9 @@ from common.wire.group import RefitGroup, free_port
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--buffers", type=int, default=2)
-    ap.add_argument("--tensors", type=int, default=4000, help="of 1 KiB, two per bucket")
+    ap.add_argument("--tensors", type=int, default=4000, help="of 1 KiB each")
+    ap.add_argument("--per-bucket", type=int, default=2,
+                    help="tensors per bucket (many: the per-tensor share of the loop)")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--graph-send", action="store_true",
@@ -51,7 +53,7 @@ def main() -> int:
                                                         device=args.device)
                                    for i in range(args.tensors)})
         plan = RefitPlan.build(source.plan_specs(), RefitConfig(
-            bucket_bytes=2048, num_buffers=args.buffers, timeout_s=60,
+            bucket_bytes=max(1024, 1024 * args.per_bucket), num_buffers=args.buffers, timeout_s=60,
             graph_send=args.graph_send))
         sender = RefitSender.setup(group, plan)
         for version in range(1, 4):  # warm
@@ -69,6 +71,7 @@ def main() -> int:
         group.destroy()
     n, graphs = len(plan.buckets), sender.graphs
     summary = {"us_per_bucket": round(statistics.median(times) / n * 1e6, 2), "buckets": n,
+               "ns_per_tensor": round(statistics.median(times) / args.tensors * 1e9, 1),
                **({} if graphs is None else {"graph_frames": graphs.captured,
                                              "graph_failure": graphs.failure}),
                **{f"{k}_us": round(statistics.median(getattr(s, f"{k}_s") for s in stats)

@@ -192,6 +192,11 @@ class RefitPlan:
         return RefitPlan(self.specs, dataclasses.replace(self.config, **local))
 
     @cached_property
+    def names(self) -> tuple[str, ...]:
+        """Every spec's name, in plan order (made once: sources walk it every refit)."""
+        return tuple(s.name for s in self.specs)
+
+    @cached_property
     def total_bytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 

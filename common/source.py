@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -102,8 +103,11 @@ class DictWeightSource:
 
     def iter_tensors(self, plan: RefitPlan) -> Iterator[tuple[str, torch.Tensor | None]]:
         """C-level `map`/`zip`: at tens of thousands of tensors a Python generator's cost per
-        item is a visible share of an NVLink refit."""
-        names = [spec.name for spec in plan.specs]
+        item is a visible share of an NVLink refit. Over a dict with no casts, a
+        `MappingItems`: the sender then takes whole buckets from the dict."""
+        names = plan.names
+        if not self._casts and type(self.tensors) in (dict, OrderedDict):
+            return MappingItems(self.tensors, names)
         tensors = map(self.tensors.get, names)
         if self._casts:
             tensors = map(self._declared, names, tensors)
@@ -113,3 +117,28 @@ class DictWeightSource:
         """Cast as the policy declares it (from the tensor's own dtype, so a tensor that
         drifted from its plan dtype still fails the sender's check)."""
         return tensor if tensor is None else tensor.to(self.policy.dtype_for(name, tensor.dtype))
+
+
+class MappingItems(zip):
+    """(name, `mapping.get(name)`) per name, from C-level iterators (a `zip` of tuple
+    iterators and a `map`), as `DictWeightSource.iter_tensors` yields them to any reader; the
+    sender's check may instead take a whole bucket's tensors straight from the dict (one
+    native pass, `native.BucketScan.take_mapping`) and `advance` past its names, making no item
+    per tensor."""
+
+    def __new__(cls, mapping: dict, names: tuple[str, ...]) -> MappingItems:
+        at, keys = iter(names), iter(names)
+        self = super().__new__(cls, at, map(mapping.get, keys), strict=True)
+        self.mapping, self._count, self._at, self._keys = mapping, len(names), at, keys
+        return self
+
+    @property
+    def position(self) -> int:
+        """How many names have been yielded or advanced past."""
+        return self._count - self._at.__length_hint__()
+
+    def advance(self, count: int) -> None:
+        """Skip the next `count` names (a tuple iterator's position is settable)."""
+        end = min(self.position + count, self._count)
+        self._at.__setstate__(end)
+        self._keys.__setstate__(end)

@@ -43,18 +43,27 @@ def scan_for(module, ts: list, device: torch.device) -> native.BucketScan:
                              device)
 
 
+def taken(scan: native.BucketScan, how: str, items: list) -> tuple:
+    """The scan's verdict on `items`, handed as (name, tensor) items or (`take_mapping`, a
+    dict source's way) as a dict of them."""
+    return scan.take(items) if how == "items" else scan.take_mapping(dict(items))
+
+
+@pytest.mark.parametrize("how", ["items", "mapping"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_matching_bucket_gives_every_tensor_and_address(module, device: str) -> None:
+def test_matching_bucket_gives_every_tensor_and_address(module, device: str, how: str) -> None:
     ts = tensors(device)
     scan = scan_for(module, ts, torch.device(device, 0 if device == "cuda" else None))
-    got, ptrs = scan.take(pairs(ts))
+    got, ptrs = taken(scan, how, pairs(ts))
     assert got is not None and ptrs is not None
     assert all(a is b for a, b in zip(got, ts, strict=True)) and len(got) == len(ts)
     assert list(ptrs) == [t.data_ptr() for t in ts]
 
 
-@pytest.mark.parametrize("drift", ["dtype", "shape", "rank", "none", "count", "name", "item"])
-def test_any_drift_is_a_mismatch(module, drift: str) -> None:
+@pytest.mark.parametrize(("how", "drift"), [
+    *(("items", d) for d in ["dtype", "shape", "rank", "none", "count", "name", "item"]),
+    *(("mapping", d) for d in ["dtype", "shape", "rank", "none", "count", "name", "value"])])
+def test_any_drift_is_a_mismatch(module, how: str, drift: str) -> None:
     ts = tensors("cpu")
     scan = scan_for(module, ts, torch.device("cpu"))
     bad = pairs(ts)
@@ -68,20 +77,23 @@ def test_any_drift_is_a_mismatch(module, drift: str) -> None:
         bad[1] = ("t1", None)
     elif drift == "count":
         bad = bad[:-1]
-    elif drift == "name":
+    elif drift == "name":  # a dict: t3 missing
         bad[3] = ("t3.weight", ts[3])
+    elif drift == "value":
+        bad[3] = ("t3", ts[3].numpy())  # not a tensor
     else:
         bad[3] = ["t3", ts[3]]  # not a (name, tensor) tuple
-    assert scan.take(bad) == (None, None)
+    assert taken(scan, how, bad) == (None, None)
     assert scan.take(tuple(pairs(ts))) == (None, None)  # not a list: the Python path decides
 
 
-def test_non_contiguous_or_other_device_matches_without_addresses(module) -> None:
+@pytest.mark.parametrize("how", ["items", "mapping"])
+def test_non_contiguous_or_other_device_matches_without_addresses(module, how: str) -> None:
     ts = tensors("cpu")
     scan = scan_for(module, ts, torch.device("cpu"))
 
     def verdict(items: list) -> tuple[bool, bool]:
-        got, ptrs = scan.take(items)
+        got, ptrs = taken(scan, how, items)
         return got is not None, ptrs is not None
 
     strided = list(ts)
@@ -93,7 +105,7 @@ def test_non_contiguous_or_other_device_matches_without_addresses(module) -> Non
     assert verdict(pairs(negated)) == (True, False)
     if torch.cuda.is_available():  # the plan's device is CUDA: CPU sources need no kernel
         elsewhere = scan_for(module, ts, torch.device("cuda", 0))
-        got, ptrs = elsewhere.take(pairs(ts))
+        got, ptrs = taken(elsewhere, how, pairs(ts))
         assert got is not None and ptrs is None
 
 

@@ -3,7 +3,8 @@
 At tens of thousands of MoE tensors the sender's Python work per tensor (name, dtype, shape,
 device, contiguity, address) takes longer than NVLink needs to move them. `BucketScan.take`
 checks a whole bucket's (name, tensor) items in one call that borrows every reference and
-collects the addresses for the pack kernel. The extension is built once per (source, Python,
+collects the addresses for the pack kernel (`take_mapping`: the tensors a dict holds under the
+bucket's names, looked up in the same call). The extension is built once per (source, Python,
 torch) by torch's JIT loader (a C++ compiler and ninja) under TORCH_EXTENSIONS_DIR; any later
 process imports the built library directly, whichever ninja is on PATH (two ninja versions
 cannot read each other's build logs, so letting torch's loader decide meant a full rebuild
@@ -32,8 +33,8 @@ log = logging.getLogger(__name__)
 
 _SOURCE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.cpp")
 _NAME = "refit_native"
-_FUNCTIONS = ["scalar_type", "take", "copy_bytes", "delta_mask", "delta_gather", "delta_count",
-              "delta_scatter"]
+_FUNCTIONS = ["scalar_type", "take", "take_mapping", "copy_bytes", "delta_mask", "delta_gather",
+              "delta_count", "delta_scatter"]
 
 _module: ModuleType | None = None
 _tried = False
@@ -122,9 +123,17 @@ class BucketScan:
         """(the tensors when every name, dtype and shape is as planned, else None; their
         addresses when every one is also contiguous on the device, else None). The addresses
         are valid until the next `take` of this bucket."""
+        return self._call(self.module.take, items)
+
+    def take_mapping(self, mapping: dict) -> tuple[list[torch.Tensor] | None, np.ndarray | None]:
+        """`take` of the tensors `mapping` (a dict) holds under the bucket's names, with no
+        (name, tensor) item made; (None, None) when one is missing or differs."""
+        return self._call(self.module.take_mapping, mapping)
+
+    def _call(self, take, given) -> tuple[list[torch.Tensor] | None, np.ndarray | None]:
         try:
-            code, tensors = self.module.take(items, self.names, self.dtypes, self.shapes,
-                                             self.offsets, *self.device, self.ptrs)
+            code, tensors = take(given, self.names, self.dtypes, self.shapes, self.offsets,
+                                 *self.device, self.ptrs)
         except (TypeError, RuntimeError):  # not a list, no storage, ...: Python decides
             return None, None
         return tensors, self.ptrs_view if code == -1 else None

@@ -2,9 +2,10 @@
 
 The check runs per bucket, not per tensor: a Python loop over 20,000 MoE tensors costs more
 than their broadcast on NVLink. One native pass over the bucket's (name, tensor) items
-(`native.BucketScan`, which also collects the addresses for the pack kernel), else whole-list
-comparisons; only a bucket that fails them goes through the per-tensor path that names the
-first mismatch.
+(`native.BucketScan`, which also collects the addresses for the pack kernel; from a dict
+source's `MappingItems` it looks the bucket's names up itself, no item made per tensor), else
+whole-list comparisons; only a bucket that fails them goes through the per-tensor path that
+names the first mismatch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from common.errors import RefitError, TensorMismatchError
 from common.kernels import native
 from common.plan import Bucket, RefitPlan, TensorSpec, dtype_name
-from common.source import PreparedBucket, RefusedTensor
+from common.source import MappingItems, PreparedBucket, RefusedTensor
 
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _NAME, _DTYPE, _SHAPE = attrgetter("name"), attrgetter("dtype"), attrgetter("shape")
@@ -63,6 +64,15 @@ class BucketChecker:
         """The bucket's tensors (none on a rank that does not send it), checked against the
         plan, and their addresses when the native scan collected them."""
         specs = self.plan.bucket_specs(bucket)
+        if isinstance(it, MappingItems) and it.position == bucket.start:
+            if self.rank != bucket.source_rank:
+                it.advance(len(specs))
+                return [], None
+            if (scan := self.scans.get(bucket.index)) is not None:
+                tensors, ptrs = scan.take_mapping(it.mapping)
+                if tensors is not None:
+                    it.advance(len(specs))
+                    return tensors, ptrs
         first = next(it, None)
         if isinstance(first, PreparedBucket):
             return self._prepared(first, bucket, version)
