@@ -7,9 +7,11 @@ its CUDA calls (`bench/sender_sweep.py` measures that at real sizes).
     python3 bench/sender_host_bench.py --device cuda      # NCCL, the pack kernel's launches
     python3 bench/sender_host_bench.py --device cuda --profile 25   # + where its time goes
     python3 bench/sender_host_bench.py --device cuda --graph-send   # each frame a graph replay
+    python3 bench/sender_host_bench.py --tensors 20000 --per-bucket 169   # + the per-tensor share
 
 The last line is one JSON object: `us_per_bucket` (median over `--reps` refits) and its split
-(`produce_us`, `pack_us`, `wait_us` per bucket, from the refit's own stats).
+(`produce_us`, `pack_us`, `wait_us` per bucket, from the refit's own stats), and
+`ns_per_tensor`.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ if [ "${1:-}" = prepare ]; then
   exec python3 -m pip download -q --no-deps -d .whl/extra compressed-tensors==0.17.0 loguru==0.7.3
 fi
 if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by the broadcast bench
-  # Five JSON files and one log in $OUT (a device call brings back 8 files at most).
+  # Six JSON files and one log in $OUT (a device call brings back 8 files at most).
   export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=1
   logs=$(mktemp -d)
   python3 bench/broadcast_bench.py --out "$out/gpu_${gpu}x1_sweep_cal.json" > "$logs/cal.log" 2>&1
@@ -33,6 +33,10 @@ if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by t
   if [ "${GRAPH_SEND:-both}" != off ]; then
     python3 bench/sender_host_bench.py --device cuda --graph-send --profile 30 \
       --out "$out/sender_host_graph_${gpu}.json" > "$logs/sender_host_graph.log" 2>&1
+    host=$(( host || $? ))
+    # the sweep's 64 MiB MoE buckets hold 169 tensors: the host's share per tensor
+    python3 bench/sender_host_bench.py --device cuda --graph-send --tensors 20000 --per-bucket 169 \
+      --profile 30 --out "$out/sender_host_tensors_${gpu}.json" > "$logs/sender_host_tensors.log" 2>&1
     host=$(( host || $? ))
   fi
   python3 bench/fp8_bench.py --profile 30 --out "$out/fp8_${gpu}.json" > "$logs/fp8.log" 2>&1; fp8=$?  # issue 38
