@@ -303,6 +303,49 @@ def test_graph_send_replays_each_frame_bit_for_bit(checksum: bool) -> None:
         group.destroy()
 
 
+def test_graph_send_stages_addresses_once_and_again_after_an_eager_pack() -> None:
+    """A dict source's tensors stay put: from the second refit each replay finds its staging
+    tables as they are (no rewrite, no wait) and still copies the values they hold now; an
+    eager pack of a bucket (a source the captured variant cannot take) stages other addresses
+    in the same tables, and the next replay stages the dict's again."""
+    from common.source import DictWeightSource
+
+    group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
+                       num_trainers=1, timeout_s=60)
+    try:
+        weights = model(0)
+        source = DictWeightSource(weights)
+        plan = RefitPlan.build(source.plan_specs(), RefitConfig(bucket_bytes=32 * MIB,
+                                                                 graph_send=True))
+        sender = RefitSender.setup(group, plan)
+        packed = [b for b in plan.buckets if not b.direct]
+        kept = {b.index % sender.num_buffers: b for b in packed}.values()  # still in a buffer
+
+        def holds(version: int) -> None:
+            torch.cuda.synchronize()
+            for bucket in kept:
+                for name, got in sender.layouts[bucket.index].unpack():
+                    assert torch.equal(got, weights[name]), (version, name)
+
+        sender.refit(source, 1)
+        staged = {id(k): k.staged for b in packed for _, k in sender.layouts[b.index].kernels}
+        for t in weights.values():
+            t.neg_()  # new values at the same addresses
+        sender.refit(source, 2)
+        assert staged == {id(k): k.staged for b in packed
+                          for _, k in sender.layouts[b.index].kernels}
+        holds(2)
+        sender.refit(OddSource(weights, plan.bucket_specs(packed[-1])[-1].name), 3)
+        holds(3)
+        for t in weights.values():
+            t.add_(1)
+        sender.refit(source, 4)
+        holds(4)
+        assert sender.graphs.replays == 4 * len(packed) - 1
+    finally:
+        group.destroy()
+
+
 def staged_rank(rank: int, world: int, port: int, buffers: int) -> dict:
     """A host (gloo) group whose receiver applies on the GPU: frames staged from page-locked
     buffers, asynchronously, while the next frames land in the other buffers."""

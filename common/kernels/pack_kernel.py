@@ -101,6 +101,7 @@ class BufferKernel:
         self.host_ptrs = torch.empty(len(sizes), dtype=torch.int64, pin_memory=True)
         self.ptrs = torch.empty(len(sizes), dtype=torch.int64, device=dev)
         self.host_table = self.host_ptrs.numpy()
+        self.staged: bytes | None = None  # the staging table's bytes (`stage`)
         self.uploaded = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}  # per VEC, captured on first use
         self.home = np.array([base + o for o in offsets], dtype=np.int64)  # the slots' addresses
@@ -117,13 +118,21 @@ class BufferKernel:
         if not self.chunk_slot.numel():
             return
         vec = self.vec_for(address_bits)
-        self.uploaded.synchronize()  # the last upload from the staging table has been read
-        self.host_table[:] = ptrs
+        self.stage(ptrs, ptrs.tobytes())
         if torch._C._cuda_getDevice() == self.device_index:
             self._replay_or_launch(vec)
         else:  # Triton launches on the current device
             with torch.cuda.device(self.device_index):
                 self._replay_or_launch(vec)
+
+    def stage(self, table: np.ndarray, key: bytes) -> None:
+        """Put `table` (`key`: its bytes) in the pinned staging table the next upload reads,
+        once the last upload has read it; a table equal to the staged one is left as it is,
+        with no wait (a source whose tensors stay put stages its addresses once)."""
+        if key != self.staged:
+            self.uploaded.synchronize()  # the last upload from the staging table has been read
+            self.host_table[:] = table
+            self.staged = key
 
     def vec_for(self, address_bits: int) -> int:
         """The 16-byte word count the kernel may use for addresses whose bitwise or is

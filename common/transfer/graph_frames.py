@@ -52,12 +52,16 @@ class _Captured:
     """One bucket's graph, the kernels whose staging tables it reads, and whether it holds the
     broadcast too (else the frame's broadcast is started eagerly after the replay)."""
 
-    __slots__ = ("graph", "kernels", "header", "event", "nbytes", "broadcasts")
+    __slots__ = ("graph", "kernels", "header", "event", "nbytes", "broadcasts", "checked",
+                 "tables")
 
     def __init__(self, graph: torch.cuda.CUDAGraph, kernels: list, header: BufferKernel,
                  event: torch.cuda.Event, nbytes: int, broadcasts: bool) -> None:
         self.graph, self.kernels, self.header = graph, kernels, header
         self.event, self.nbytes, self.broadcasts = event, nbytes, broadcasts
+        # the last sources' addresses found fit for the graph (bytes) and each kernel's table
+        self.checked: bytes | None = None
+        self.tables: list[tuple[BufferKernel, np.ndarray, bytes]] = []
 
 
 class GraphFrames:
@@ -89,13 +93,16 @@ class GraphFrames:
             entry = self._graphs[index] = self._capture(layout, wire, payload)
         if entry is None or header_address % 16:
             return None
-        tables = kernel_tables(entry.kernels, ptrs)
-        if tables is None or any(k.vec_for(bits) != k.vec for k, _, bits in tables):
-            return None  # sources aligned for another variant than the captured one
-        entry.event.synchronize()  # the last replay (last refit) has read the staging tables
-        for kernel, table, _ in tables:
-            kernel.host_table[:] = table
-        entry.header.host_table[0] = header_address
+        if (key := ptrs.tobytes()) != entry.checked:  # the tables are a function of `ptrs`
+            tables = kernel_tables(entry.kernels, ptrs)
+            if tables is None or any(k.vec_for(bits) != k.vec for k, _, bits in tables):
+                return None  # sources aligned for another variant than the captured one
+            entry.checked = key
+            entry.tables = [(k, table.copy(), table.tobytes()) for k, table, _ in tables]
+        for kernel, table, table_key in entry.tables:  # waits for the last replay if changed
+            kernel.stage(table, table_key)
+        header = np.array([header_address], np.int64)
+        entry.header.stage(header, header.tobytes())
         if torch._C._cuda_getDevice() == self.device_index:
             entry.graph.replay()
         else:

@@ -63,7 +63,7 @@ class RefitSender(Endpoint):
         super().__init__(group, plan)
         self.checker = BucketChecker(plan, group.rank, group.device, group.label)
         self.shadows = ShadowSender(self) if plan.config.delta else None
-        self._headers: tuple[int, np.ndarray, dict] | None = None  # `header_table`'s
+        self._headers: tuple | None = None  # `header_table`'s
         self.graphs = (GraphFrames(group, self.checksums)
                        if plan.config.graph_send and group.captures_broadcasts else None)
         for bucket in plan.buckets:  # the first refit then runs at the speed of the others
@@ -88,8 +88,9 @@ class RefitSender(Endpoint):
                      routes: list[list[Route]]) -> tuple[torch.Tensor, dict[tuple, int]]:
         """Every frame's OK header for this refit, moved to the device in one copy (a copy per
         frame costs a synchronous host-to-device transfer each on CUDA), and each frame's row
-        by (bucket, need-set). The headers are encoded once per re-plan; a refit only writes
-        its version into them."""
+        by (bucket, need-set). The headers are encoded once per re-plan, into a device table
+        that stays put (graph replays stage its rows' addresses once); a refit only writes its
+        version into them (the copy follows the last refit's reads on the stream)."""
         if self._headers is None or self._headers[0] != self.sharding.replans:
             rows, raw = {}, []
             for bucket, frames in zip(self.plan.buckets, routes, strict=True):
@@ -97,11 +98,12 @@ class RefitSender(Endpoint):
                     rows[bucket.index, route.set_index] = len(raw)
                     raw.append(self.header(bucket, 0, None, route).encode_bytes())
             table = np.frombuffer(b"".join(raw), dtype=np.uint8).reshape(-1, HEADER_BYTES)
-            self._headers = (self.sharding.replans, table, rows)
-        _, table, rows = self._headers
+            on_device = torch.empty(table.shape, dtype=torch.uint8, device=self.group.device)
+            self._headers = (self.sharding.replans, table, rows, on_device)
+        _, table, rows, on_device = self._headers
         table = table.copy()
         table[:, VERSION_SLICE] = np.frombuffer(struct.pack("<q", version), dtype=np.uint8)
-        return torch.from_numpy(table).to(self.group.device), rows
+        return on_device.copy_(torch.from_numpy(table)), rows
 
     def refit(self, source: WeightSource, version: int) -> RefitStats:
         """Send one complete set of weights, tagged `version`; returns this rank's stats.
