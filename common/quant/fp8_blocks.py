@@ -150,8 +150,8 @@ def start_batch(named: list[tuple[str, torch.Tensor | None]], fmt: BlockFp8Forma
     """Launch `quantize` of each (name, tensor). On CUDA the tensors of one shape, dtype and
     strides go in one launch (`fp8_kernel.launch`), their scales into one buffer whose
     non-finite check is read back when the results are asked for (no wait for the device
-    here); elsewhere one by one, now. `groups`: positions expected to share a shape and dtype
-    (a plan's), checked here; found tensor by tensor when not given. `addresses`: every
+    here); elsewhere one by one, now. `groups`: disjoint positions expected to share a shape
+    and dtype (a plan's), checked here; found tensor by tensor when not given. `addresses`: every
     tensor's address, from a caller that found them all contiguous on one device with the
     shapes and dtypes `groups` assume (the native bucket scan); the groups are then taken as
     they are."""
@@ -163,7 +163,9 @@ def start_batch(named: list[tuple[str, torch.Tensor | None]], fmt: BlockFp8Forma
         groups = _kernel_groups(named, groups if groups is not None else [range(len(named))],
                                 fmt)
     done, finite = _launch_groups(named, groups, fmt, addresses) if groups else ([], None)
-    for i in sorted(set(range(len(named))) - set(itertools.chain.from_iterable(groups))):
+    rest = [] if sum(map(len, groups)) == len(named) else sorted(  # the groups are disjoint
+        set(range(len(named))) - set(itertools.chain.from_iterable(groups)))
+    for i in rest:
         name, x = named[i]  # the rest (none, when the plan's groups held): one by one
         if x is not None:
             try:
@@ -302,10 +304,10 @@ def _launch_groups(named: list, groups: list[list[int]], fmt: BlockFp8Format,
     bytes aligned (the pack kernel copies 16-byte words from such sources), the padding
     zeros (finite)."""
     device = named[groups[0][0]][1].device
-    order = [i for idx in groups for i in idx]
+    order = np.fromiter(itertools.chain.from_iterable(groups), np.int64)
     addrs = fp8_kernel.address_table(
-        addresses[order] if addresses is not None else [named[i][1].data_ptr() for i in order],
-        device)
+        addresses[order] if addresses is not None
+        else [named[i][1].data_ptr() for i in order.tolist()], device)
     blocks = [fmt.scale_shape(named[idx[0]][1].shape) for idx in groups]
     sizes = [len(idx) * b[0] * b[1] for idx, b in zip(groups, blocks, strict=True)]
     starts = [0, *itertools.accumulate(-(-n // 4) * 4 for n in sizes)]

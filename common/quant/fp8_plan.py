@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -194,7 +195,7 @@ class Fp8Source:
         """The quantization of the bucket's targets (held on this rank), launched, and the
         addresses of all the bucket's inner items (`got`) when one native pass found them
         as planned and contiguous on the targets' device."""
-        named = [got[i] for i in layout.addressing.target_inner.tolist()]
+        named = layout.addressing.targets_of(got)
         inner = self._inner_addresses(layout, got, named)
         at = None if inner is None else inner[layout.addressing.target_inner]
         return start_batch(named, self.targets.fmt, layout.groups, at), inner
@@ -294,6 +295,7 @@ class _Addressing:
     scale_target: np.ndarray
     carried_in: tuple[tuple[int, str], ...]
     carried_out: tuple[tuple[int, str], ...]
+    targets_of: Callable[[list], list]  # a bucket's inner items -> its targets' (C-level)
 
 
 def _addressing(layout: _BucketLayout) -> _Addressing:
@@ -306,7 +308,16 @@ def _addressing(layout: _BucketLayout) -> _Addressing:
         np.array([inner_at[k] for k, _ in layout.targets], np.int64),
         np.array([k for k, _ in here], np.int64), np.array([t for _, t in here], np.int64),
         tuple((k, n) for k, n in layout.scales if n not in target_of),
-        tuple((t, n) for t, (_, n) in enumerate(layout.targets) if n not in sent_here))
+        tuple((t, n) for t, (_, n) in enumerate(layout.targets) if n not in sent_here),
+        _picker([inner_at[k] for k, _ in layout.targets]))
+
+
+def _picker(positions: list[int]) -> Callable[[list], list]:
+    """`items` -> [items[i] for i in positions], by one C-level `itemgetter`."""
+    if len(positions) < 2:  # itemgetter of one position gives the item, not a tuple
+        return lambda items: [items[i] for i in positions]
+    get = itemgetter(*positions)
+    return lambda items: list(get(items))
 
 
 def _prepared(layout: _BucketLayout, got: list, batch: Fp8Batch, inner: np.ndarray,
