@@ -191,9 +191,9 @@ class Fp8Batch:
         n = len(self._named)
         q_at, s_at = np.empty(n, np.int64), np.empty(n, np.int64)
         for idx, q, s in self._done:
-            step = np.arange(len(idx), dtype=np.int64)
-            q_at[idx] = q.data_ptr() + step * q[0].numel() * q.element_size()
-            s_at[idx] = s.data_ptr() + step * s[0].numel() * s.element_size()
+            at, step = np.array(idx, np.int64), np.arange(len(idx), dtype=np.int64)
+            q_at[at] = q.data_ptr() + step * (q.numel() // len(idx)) * q.element_size()
+            s_at[at] = s.data_ptr() + step * (s.numel() // len(idx)) * s.element_size()
         if self._done and not self._finite.value():
             return None
         if sum(len(idx) for idx, _, _ in self._done) < n:  # some one by one (no kernel)
