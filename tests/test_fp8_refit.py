@@ -174,18 +174,32 @@ def test_fp8_refit_bit_for_bit_with_deltas_shards_and_a_refused_nan(checkpoint) 
         assert r[3]["rolled_back"] > 0 and r[3]["checked_back"] > 0 and not r[3]["bad"], r[3]
 
 
-def test_fp8_source_hands_whole_buckets_to_the_sender_by_address() -> None:
+@pytest.mark.parametrize("inner", ["dict", "items"])
+def test_fp8_source_hands_whole_buckets_to_the_sender_by_address(inner: str) -> None:
     """A bucket whose weights all quantize goes as one `PreparedBucket` (no tensor per item):
     its addresses are those of its tensors, in plan order, and those equal the quantizer's
     (scales sent in a later bucket than their weight too); a bucket holding a NaN goes item
-    by item, the weight and its scale refused by name."""
+    by item, the weight and its scale refused by name. The inner source's tensors taken
+    straight from its dict (`MappingItems`) or from its items (a read-only view of the dict),
+    alike."""
+    from types import MappingProxyType
+
     from common.quant.fp8_blocks import quantize
-    from common.source import DictWeightSource, PreparedBucket, RefusedTensor, iter_items
+    from common.source import (
+        DictWeightSource,
+        MappingItems,
+        PreparedBucket,
+        RefusedTensor,
+        iter_items,
+    )
 
     weights = bf16_weights(1)
     targets = Fp8Targets(BlockFp8Format(), frozenset(n for n in weights if is_target(n)))
-    source = Fp8Source(DictWeightSource(weights), targets)
+    held = DictWeightSource(weights if inner == "dict" else MappingProxyType(weights))
+    source = Fp8Source(held, targets)
     plan = RefitPlan.build(source.plan_specs(), dataclasses.replace(CONFIG, bucket_bytes=1 << 14))
+    inner_items = held.iter_tensors(RefitPlan.build(held.plan_specs(), CONFIG))
+    assert isinstance(inner_items, MappingItems) == (inner == "dict")
     items = list(source.iter_tensors(plan))
     with_target = [tuple(s.name for s in plan.bucket_specs(b)) for b in plan.buckets
                    if any(s.name in targets.names for s in plan.bucket_specs(b))]

@@ -28,7 +28,7 @@ from common.errors import FormatMismatchError
 from common.kernels import native
 from common.plan import RefitPlan, TensorSpec
 from common.quant.fp8_blocks import BlockFp8Format, Fp8Batch, start_batch
-from common.source import PreparedBucket, RefusedTensor, WeightSource
+from common.source import MappingItems, PreparedBucket, RefusedTensor, WeightSource
 
 SCALE_SUFFIX = "_scale_inv"
 _PLAIN = {"bfloat16", "float16", "float32"}  # sent as they are (the dtype policy decides which)
@@ -178,12 +178,14 @@ class Fp8Source:
         scales: dict[str, torch.Tensor | RefusedTensor | None] = {}
         self.by_address = 0
         ahead = None  # the bucket launched last: (layout, its inner items, batch, addresses)
+        taken = 0  # inner items so far
         for layout in self._bucket_layouts(plan):
-            got = list(itertools.islice(inner, len(layout.inner)))  # (name, tensor), in order
+            got, addresses = self._take(inner, layout, taken)  # (name, tensor), in order
             if len(got) < len(layout.inner):
                 raise ValueError(f"the weight source ended before {layout.names[0]!r}'s bucket "
                                  f"was complete ({len(got)} of {len(layout.inner)} tensors)")
-            launched = (layout, got, *self._start(got, layout))
+            taken += len(got)
+            launched = (layout, got, *self._start(got, layout, addresses))
             if ahead is not None:
                 yield from self._settled(*ahead, scales)
             ahead = launched
@@ -191,14 +193,36 @@ class Fp8Source:
         if ahead is not None:
             yield from self._settled(*ahead, scales)
 
-    def _start(self, got: list, layout: _BucketLayout) -> tuple[Fp8Batch, np.ndarray | None]:
-        """The quantization of the bucket's targets (held on this rank), launched, and the
-        addresses of all the bucket's inner items (`got`) when one native pass found them
-        as planned and contiguous on the targets' device."""
+    def _take(self, inner: Iterator, layout: _BucketLayout,
+              taken: int) -> tuple[list, np.ndarray | None]:
+        """The bucket's inner items and, when one native pass found every one with its
+        planned name, shape and dtype, contiguous on the targets' device, their addresses (in
+        `layout.inner` order; None where not so, or without the native module). From a dict
+        source (`MappingItems`) the pass takes them straight from its dict."""
+        if isinstance(inner, MappingItems) and inner.position == taken and layout.targets:
+            x = inner.mapping.get(layout.names[layout.targets[0][0]])
+            if isinstance(x, torch.Tensor) and (scan := self._scan(layout, x.device)):
+                tensors, ptrs = scan.take_mapping(inner.mapping)
+                if tensors is not None:
+                    inner.advance(len(layout.inner))
+                    got = list(zip(scan.names, tensors, strict=True))
+                    return got, None if ptrs is None else ptrs.copy()
+        got = list(itertools.islice(inner, len(layout.inner)))
+        if len(got) < len(layout.inner) or not layout.targets:
+            return got, None
+        x = layout.addressing.targets_of(got)[0][1]
+        if not isinstance(x, torch.Tensor) or (scan := self._scan(layout, x.device)) is None:
+            return got, None
+        ptrs = scan.take(got)[1]
+        return got, None if ptrs is None else ptrs.copy()
+
+    def _start(self, got: list, layout: _BucketLayout,
+               addresses: np.ndarray | None) -> tuple[Fp8Batch, np.ndarray | None]:
+        """The quantization of the bucket's targets (held on this rank), launched; and the
+        addresses of all the bucket's inner items (`got`), when `_take` found them."""
         named = layout.addressing.targets_of(got)
-        inner = self._inner_addresses(layout, got, named)
-        at = None if inner is None else inner[layout.addressing.target_inner]
-        return start_batch(named, self.targets.fmt, layout.groups, at), inner
+        at = None if addresses is None else addresses[layout.addressing.target_inner]
+        return start_batch(named, self.targets.fmt, layout.groups, at), addresses
 
     def _settled(self, layout: _BucketLayout, got: list, batch: Fp8Batch,
                  inner: np.ndarray | None,
@@ -225,21 +249,15 @@ class Fp8Source:
             tensors[k] = scales.pop(name, None)
         yield from zip(names, tensors, strict=True)
 
-    def _inner_addresses(self, layout: _BucketLayout, got: list,
-                         named: list) -> np.ndarray | None:
-        """The addresses of the bucket's inner items (in `layout.inner` order) when one native
-        pass finds every one with its planned name, shape and dtype, contiguous on the
-        targets' device; None without the native module, or where any is not so."""
-        x = named[0][1] if named else None
-        if not isinstance(x, torch.Tensor):
-            return None
-        if (scan := self._scans.get((id(layout), x.device))) is None:
+    def _scan(self, layout: _BucketLayout, device: torch.device) -> native.BucketScan | None:
+        """The native pass over the bucket's inner items on `device` (made once per layout and
+        device); None without the native module."""
+        if (scan := self._scans.get((id(layout), device))) is None:
             if (module := native.load()) is None:
                 return None
             specs = [self._inner_specs[layout.names[k]] for k in layout.inner]
-            scan = self._scans[id(layout), x.device] = native.BucketScan(module, specs, x.device)
-        ptrs = scan.take(got)[1]
-        return None if ptrs is None else ptrs.copy()
+            scan = self._scans[id(layout), device] = native.BucketScan(module, specs, device)
+        return scan
 
     def _bucket_layouts(self, plan: RefitPlan) -> list[_BucketLayout]:
         """Each bucket's `_BucketLayout` (made once per plan)."""
