@@ -1,6 +1,7 @@
 """The inference side of a refit (`common.transfer.sender` has the protocol): receive each frame,
-check it, hand it to the loader; keep a base of what was received (`common.delta.store`) so
-delta frames can be rebuilt (`common.delta.frames`) and a failed refit rolled back."""
+check it (`common.transfer.frame_checks`), hand it to the loader; keep a base of what was
+received (`common.delta.store`) so delta frames can be rebuilt (`common.delta.frames`) and a
+failed refit rolled back."""
 
 from __future__ import annotations
 
@@ -9,19 +10,18 @@ from collections.abc import Callable
 
 import torch
 
-from common.delta.frames import DELTA, WHOLE, DeltaReceive, delta_modes, set_keys
+from common.delta.frames import WHOLE, DeltaReceive, delta_modes, set_keys
 from common.delta.store import NO_BASE, FrameStore
-from common.errors import RefitAborted, RefitError
-from common.packing import first_differing
+from common.errors import RefitError
 from common.plan import Bucket, RefitPlan
 from common.shard.needs import Needs
 from common.shard.replan import Route
 from common.stats import RefitStats
 from common.transfer.apply_device import ApplyDevice
 from common.transfer.endpoint import Endpoint
+from common.transfer.frame_checks import checksum_error, first_differing_name, header_error
 from common.transfer.handshake import PlanCheck, agree_on_plan
-from common.wire import checksum
-from common.wire.bucket_header import STATUS_OK, Header
+from common.wire.bucket_header import Header
 from common.wire.transport import Transport
 
 BucketCallback = Callable[[list[tuple[str, torch.Tensor]]], None]
@@ -116,7 +116,8 @@ class RefitReceiver(Endpoint):
 
         def check(bucket: Bucket, route: Route, header: Header, error: BaseException | None,
                   first: bool) -> BaseException | None:
-            return self._check_header(bucket, route, header, version, stats, error, first)
+            return header_error(self.group.label, self.plan, bucket, route, header, version,
+                                stats, error, first)
 
         try:  # whatever fails (the group too), the base learns of it
             if base_version is not None:
@@ -174,8 +175,8 @@ class RefitReceiver(Endpoint):
             raw, payload = (self.headers[bucket.index % self.num_buffers], target) \
                 if bucket.direct and route.gather is None else self.frame(bucket, route, ordinal)
             header = Header.decode(raw)
-            error = self._check_header(bucket, route, header, version, stats, error,
-                                       first=ordinal == 0)
+            error = header_error(self.group.label, self.plan, bucket, route, header, version,
+                                 stats, error, first=ordinal == 0)
             if error is not None or (error := self.verify_bytes(bucket, header, payload,
                                                                 header.checksum, stats)):
                 continue
@@ -227,46 +228,6 @@ class RefitReceiver(Endpoint):
     def first_name(self, bucket: Bucket) -> str:
         return self.plan.specs[bucket.start].name
 
-    def _first_differing(self, bucket: Bucket, route: Route, held: torch.Tensor,
-                         payload: torch.Tensor) -> str | None:
-        """What of a frame differs from `held` (its base): the first tensor of a whole frame
-        (not its alignment padding: `first_differing`), "its compact frame", or None."""
-        if held.numel() != payload.numel():
-            return f"its {held.numel()}-byte base (a {payload.numel()}-byte frame)"
-        if route.gather is not None:
-            return None if torch.equal(held.to(payload.device), payload) else \
-                f"its compact frame (need-set {route.set_index})"
-        at = first_differing(self.plan.bucket_specs(bucket), bucket.offsets, held, payload)
-        return None if at is None else repr(self.plan.specs[bucket.start + at].name)
-
-    def _check_header(self, bucket: Bucket, route: Route, header: Header, version: int | None,
-                      stats: RefitStats, error: BaseException | None,
-                      first: bool) -> BaseException | None:
-        """The refit's error after this frame's header: the first frame fixes the version (a
-        `version` other than it fails the refit), a header out of step raises at once, an
-        ABORT fails the refit. A delta frame is smaller than its whole frame; an ABORT in
-        delta mode carries no payload."""
-        if first:
-            stats.version = header.version
-            if version is not None and header.version != version:
-                error = RefitError(f"{self.group.label}: the trainers sent refit "
-                                   f"v{header.version}, this receiver expected v{version}")
-        size, kind = route.payload_bytes(bucket), route.kind
-        if header.kind == DELTA and header.payload_bytes < size:
-            size, kind = header.payload_bytes, DELTA
-        elif header.status != STATUS_OK and header.payload_bytes == 0:
-            size = 0
-        expected = Header(bucket.index, len(self.plan.buckets), stats.version, self.plan.digest,
-                          need_set=route.set_index, kind=kind, payload_bytes=size)
-        if why := header.mismatch(expected):
-            raise RefitError(f"{self.group.label}: protocol out of step at bucket "
-                             f"{bucket.index}: {why}; destroy and rebuild the refit group")
-        if header.status != STATUS_OK:
-            error = error or RefitAborted(f"{self.group.label}: sender rank "
-                                          f"{bucket.source_rank} aborted refit "
-                                          f"v{header.version}: {header.message}")
-        return error
-
     def _hand_over(self, bucket: Bucket, route: Route, payload: torch.Tensor, staged: bool,
                    on_bucket: BucketCallback, on_compact: CompactCallback | None,
                    stats: RefitStats) -> BaseException | None:
@@ -275,8 +236,8 @@ class RefitReceiver(Endpoint):
             held = self.base.base(bucket.index)
             if not self._verify:
                 self.base.stage_whole(bucket.index, payload)
-            elif held is not None and (name := self._first_differing(bucket, route, held,
-                                                                     payload)):
+            elif held is not None and (name := first_differing_name(self.plan, bucket, route,
+                                                                    held, payload)):
                 return RefitError(f"{self.group.label}: verify v{stats.version}: bucket "
                                   f"{bucket.index}: {name} differs from the bytes this "
                                   f"worker holds; it was not loaded")
@@ -348,21 +309,9 @@ class RefitReceiver(Endpoint):
                      what: str = "arrived corrupted") -> RefitError | None:
         """`payload` against the sender's checksum `expected` (if it sent one): an error
         naming the bucket and its tensors if they differ, before anything of them is
-        loaded."""
-        if not header.checksummed:
-            return None
-        t0 = time.perf_counter()
-        got = checksum.compute(payload)
-        stats.checksum_s += time.perf_counter() - t0
-        if got == expected:
-            return None
-        specs = self.plan.bucket_specs(bucket)
-        return RefitError(f"{self.group.label}: refit v{header.version} bucket {bucket.index}/"
-                          f"{len(self.plan.buckets)} {what} "
-                          f"({header.payload_bytes} bytes of "
-                          f"{specs[0].name!r}..{specs[-1].name!r}): "
-                          f"{checksum.name(self.group.device)} {got:#010x}, the sender's "
-                          f"{expected:#010x}; it was not loaded")
+        loaded (`frame_checks.checksum_error`)."""
+        return checksum_error(self.group, self.plan, bucket, header, payload, expected, stats,
+                              what)
 
     def _run_on_done(self, on_done: Callable[[], str | None], stats: RefitStats,
                      error: BaseException | None) -> BaseException | None:
