@@ -3,7 +3,8 @@
 On CUDA a bucket's sender time is host time: the pack kernels' graph replay and its event, the
 header's device copy, ProcessGroupNCCL's broadcast call and its Work, tens of microseconds each
 against tens of microseconds of device work for a 64 MiB bucket. Captured once per bucket, all of
-it is one replay: the pack kernels read the sources' addresses from their pinned staging tables,
+it is one replay: the pack kernels read the sources' addresses from their pinned staging tables
+(written only when the addresses change: a source whose tensors stay put stages them once),
 one more kernel copies the frame's header from the refit's header table (the row's address is
 staged like a source's), the checksum (when on) is stamped on the device, and the broadcast was
 captured on the capturing stream. A replay is waited for through an event recorded behind it,
