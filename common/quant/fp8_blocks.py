@@ -214,8 +214,10 @@ class Fp8Batch:
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The quantized tensors' memory (what a bucket sent by address keeps alive)."""
+        launched = sum(len(idx) for idx, _, _ in self._done)
+        rest = self._out if launched < len(self._out) else ()  # else all in the launches'
         return (*(t for _, q, s in self._done for t in (q, s)),
-                *(t for r in self._out if isinstance(r, tuple) for t in r))
+                *(t for r in rest if isinstance(r, tuple) for t in r))
 
     def results(self) -> list[tuple[torch.Tensor, torch.Tensor] | str | None]:
         if self._done:
