@@ -25,14 +25,16 @@ from model_shapes import MODELS, qwen3_shapes, scaled
 BUF = {"coalesced_1buf": 1, "coalesced_2buf": 2, "coalesced_3buf": 3}
 CALIBRATION = ["cpu_quick", "sweep_cal_cpu", "gpu_h200x1", "gpu_h200x1_checksum_off",
                "gpu_h200x1_sweep_cal",
-               "multi_gpu_nvidia-h200-x2_run1", "multi_gpu_nvidia-h200-x2_run2"]
+               "multi_gpu_nvidia-h200-x2_run1", "multi_gpu_nvidia-h200-x2_run2",
+               "gpu_h100x1_sweep_cal_run3"]
 # held-out file -> the calibration run whose constants predict it
 HELD_OUT = {"gpu_h200x1": "gpu_h200x1", "gpu_h200x1_checksum_off": "gpu_h200x1_checksum_off",
             "multi_gpu_nvidia-h200-x2_run1": "multi_gpu_nvidia-h200-x2_run1",
             "multi_gpu_nvidia-h200-x2_run2": "multi_gpu_nvidia-h200-x2_run2",
             "gpu_h200x1_models": "gpu_h200x1", "cpu_quick_models": "cpu_quick"}
 # sender sweep file -> the calibration run (same machine, same session) that predicts it
-SWEEPS = {"sender_sweep_cpu": "sweep_cal_cpu", "sender_sweep_h200_nospin": "gpu_h200x1_sweep_cal"}
+SWEEPS = {"sender_sweep_cpu": "sweep_cal_cpu", "sender_sweep_h200_nospin": "gpu_h200x1_sweep_cal",
+          "sender_sweep_h100_run3": "gpu_h100x1_sweep_cal_run3"}
 # the noise the issue allows to be named: (file, list, method) -> why
 EXCEPTIONS = {("gpu_h200x1_models", "dense", "coalesced_1buf"):
               "an earlier sender (it waited for its buffer before taking a bucket): the "
