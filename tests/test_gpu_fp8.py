@@ -43,11 +43,13 @@ def test_fp8_cuda_kernel_zeros_extremes_and_strides(ue8m0) -> None:
     x[256:, 128:] *= 1e-30  # subnormal e4m3 values after scaling
     same(x, fmt)
     same(x.t(), fmt)  # strided: read through its strides
+    same(torch.randn(1 + 256 * 384, device="cuda").bfloat16()[1:].view(256, 384), fmt)  # 2 B
     same(torch.zeros(5, 7, device="cuda", dtype=torch.bfloat16), fmt)
 
 
 def test_fp8_cuda_batch_one_launch_per_shape_equals_each_alone() -> None:
-    """An MoE bucket: many experts of two shapes, a strided one, an fp32 one, a 1-D one
+    """An MoE bucket: many experts of two shapes (one of them at an address 2 bytes past a
+    16-byte boundary: its group loads narrower), a strided one, an fp32 one, a 1-D one
     (refused), one with a NaN (refused alone, its group's others quantized)."""
     fmt = BlockFp8Format()
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -55,6 +57,8 @@ def test_fp8_cuda_batch_one_launch_per_shape_equals_each_alone() -> None:
           for s in [(768, 2048)] * 6 + [(2048, 768)] * 5]
     xs += [torch.randn(300, 260, device="cuda").bfloat16().t(), torch.randn(129, 257,
                                                                            device="cuda")]
+    xs.append(torch.randn(1 + 768 * 2048, generator=g, device="cuda").bfloat16()[1:]
+              .view(768, 2048))
     xs[3][5, 9] = float("nan")
     named = [(f"experts.{i}.w", x) for i, x in enumerate(xs)] + [("norm", xs[0][0])]
     out = quantize_batch(named, fmt)

@@ -42,10 +42,12 @@ if triton is not None:
     @triton.jit
     def _quantize_blocks(x_addrs, q, s, m, n, stride_m, stride_n, blocks_m, blocks_n, inv_max,
                          IN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         UE8M0: tl.constexpr):
-        # program (t, i, j): block (i, j) of tensor t, read at its address in `x_addrs`
+                         UE8M0: tl.constexpr, ALIGN: tl.constexpr):
+        # program (t, i, j): block (i, j) of tensor t, read at its address in `x_addrs` (a
+        # multiple of ALIGN bytes: an address loaded from memory otherwise leaves Triton
+        # assuming one element's alignment, and no wide loads)
         t, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        x = tl.load(x_addrs + t).to(tl.pointer_type(IN))
+        x = tl.multiple_of(tl.load(x_addrs + t), ALIGN).to(tl.pointer_type(IN))
         rows = pid_m * BM + tl.arange(0, BM)[:, None]
         cols = pid_n * BN + tl.arange(0, BN)[None, :]
         mask = (rows < m) & (cols < n)
@@ -62,26 +64,31 @@ if triton is not None:
         tl.store(s + (t64 * blocks_m + pid_m) * blocks_n + pid_n, sf)
 
 
-def address_table(ptrs: Sequence[int] | np.ndarray, device: torch.device) -> torch.Tensor:
-    """Tensor addresses on `device`, for `launch`. Pinned and non-blocking on CUDA: a
+def address_table(ptrs: Sequence[int] | np.ndarray,
+                  device: torch.device) -> tuple[torch.Tensor, int]:
+    """Tensor addresses on `device`, for `launch`, and the bytes all of them are a multiple
+    of (a power of two, 16 at most: the widest load). Pinned and non-blocking on CUDA: a
     pageable upload would wait for the stream to drain."""
-    table = torch.as_tensor(ptrs, dtype=torch.int64)
+    host = np.asarray(ptrs, dtype=np.int64)
+    bits = int(np.bitwise_or.reduce(host)) | 16 if len(host) else 16
+    table = torch.from_numpy(host)
     if device.type == "cuda":
         table = table.pin_memory()
-    return table.to(device, non_blocking=True)
+    return table.to(device, non_blocking=True), bits & -bits
 
 
-def launch(addrs: torch.Tensor, like: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
-           block: tuple[int, int], ue8m0: bool) -> None:
-    """Quantize the tensors at `addrs` (each of `like`'s shape, strides and dtype) into `q`
-    (e4m3, [len(addrs), m, n], contiguous) and `s` (float32 scale_inv, [len(addrs), blocks_m,
-    blocks_n], contiguous: may be a view into a larger buffer)."""
+def launch(addrs: torch.Tensor, align: int, like: torch.Tensor, q: torch.Tensor,
+           s: torch.Tensor, block: tuple[int, int], ue8m0: bool) -> None:
+    """Quantize the tensors at `addrs` (each a multiple of `align` bytes, of `like`'s shape,
+    strides and dtype) into `q` (e4m3, [len(addrs), m, n], contiguous) and `s` (float32
+    scale_inv, [len(addrs), blocks_m, blocks_n], contiguous: may be a view into a larger
+    buffer)."""
     (m, n), (bm, bn) = like.shape, block
     blocks = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     grid = (len(addrs), *blocks)
     args = (addrs, q, s, m, n, like.stride(0), like.stride(1), blocks[0], blocks[1],
             _INV_FP8_MAX)
-    consts = dict(IN=_IN[like.dtype], BM=bm, BN=bn, UE8M0=ue8m0, num_warps=8)
+    consts = dict(IN=_IN[like.dtype], BM=bm, BN=bn, UE8M0=ue8m0, ALIGN=align, num_warps=8)
     # CPU tensors: Triton's interpreter (TRITON_INTERPRET=1), for tests without a GPU
     with torch.cuda.device(like.device) if like.is_cuda else contextlib.nullcontext():
         _quantize_blocks[grid](*args, **consts)
@@ -95,5 +102,5 @@ def quantize(x: torch.Tensor, block: tuple[int, int],
     q = torch.empty((1, m, n), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((1, triton.cdiv(m, bm), triton.cdiv(n, bn)), dtype=torch.float32,
                     device=x.device)
-    launch(address_table([x.data_ptr()], x.device), x, q, s, block, ue8m0)
+    launch(*address_table([x.data_ptr()], x.device), x, q, s, block, ue8m0)
     return q[0], s[0]

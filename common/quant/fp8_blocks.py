@@ -307,7 +307,7 @@ def _launch_groups(named: list, groups: list[list[int]], fmt: BlockFp8Format,
     zeros (finite)."""
     device = named[groups[0][0]][1].device
     order = np.fromiter(itertools.chain.from_iterable(groups), np.int64)
-    addrs = fp8_kernel.address_table(
+    addrs, align = fp8_kernel.address_table(
         addresses[order] if addresses is not None
         else [named[i][1].data_ptr() for i in order.tolist()], device)
     blocks = [fmt.scale_shape(named[idx[0]][1].shape) for idx in groups]
@@ -319,7 +319,7 @@ def _launch_groups(named: list, groups: list[list[int]], fmt: BlockFp8Format,
         x = named[idx[0]][1]
         q = torch.empty((len(idx), *x.shape), dtype=fmt.dtype, device=device)
         s = scales[at:at + size].view(len(idx), *b)
-        fp8_kernel.launch(addrs[first:first + len(idx)], x, q, s, fmt.block, fmt.ue8m0)
+        fp8_kernel.launch(addrs[first:first + len(idx)], align, x, q, s, fmt.block, fmt.ue8m0)
         done.append((idx, q, s))
         first += len(idx)
     return done, _FiniteFlag(scales)
