@@ -13,7 +13,7 @@ Python work on the hot path is kept to a few attribute reads.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ import torch
 from common.kernels import native
 from common.kernels.pack_kernel import BufferKernel, kernel_available
 from common.plan import TensorSpec
+from common.source import PreparedBucket
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -75,6 +76,8 @@ class BucketLayout:
         self.device_index = buffer.get_device()
         self._cpu_table: tuple[torch.Tensor, torch.Tensor] | None = None  # copy_bytes' tables
         self._unpacked: list[tuple[str, torch.Tensor]] | None = None
+        self._offsets = np.array(self.offsets, dtype=np.int64)
+        self._others: dict[bytes, tuple] = {}  # `fill`'s other slots and their kernels
 
     @property
     def kernels(self) -> list[tuple[np.ndarray | None, BufferKernel]]:
@@ -85,10 +88,12 @@ class BucketLayout:
                                    if kernel_available(self.buffer.device) else [])
         return self._built_kernels
 
-    def _kernels(self, base: int) -> list[tuple[np.ndarray | None, BufferKernel]]:
+    def _kernels(self, base: int, among: Sequence[int] | None = None,
+                 ) -> list[tuple[np.ndarray | None, BufferKernel]]:
+        """The kernels of every slot, or of the slots `among`."""
         by_unit: dict[int, list[int]] = {}
-        for i, view in enumerate(self.views):
-            if view is not None and self.specs[i].nbytes:
+        for i in range(len(self.specs)) if among is None else among:
+            if self.views[i] is not None and self.specs[i].nbytes:
                 unit = math.gcd(8, base + self.offsets[i], self.specs[i].nbytes)
                 by_unit.setdefault(unit, []).append(i)
         everything = list(range(len(self.specs)))
@@ -164,6 +169,40 @@ class BucketLayout:
         for kernel, table, bits in tables:
             kernel.run(table, bits)
         return True
+
+    def fill(self, prepared: PreparedBucket,
+             mark: tuple[int, int]) -> Callable[[], str | None] | None:
+        """Let `prepared` write its `filled` slots itself (`PreparedBucket.fill`, given the
+        slots' addresses and `mark`: the frame header's status word and the value that says
+        its bytes are wrong) and copy the others from
+        `prepared.ptrs` (the pack kernel on CUDA, the native memcpy loop on CPU); its check,
+        or None where this layout cannot (a misaligned slot, no kernel or native module, a
+        source not aligned to its copy unit): pack its tensors instead."""
+        key = prepared.filled.tobytes()
+        if (others := self._others.get(key)) is None:
+            rest = np.setdiff1d(np.arange(len(self.specs)), prepared.filled)
+            rest = rest[[self.specs[i].nbytes > 0 for i in rest.tolist()]]
+            kernels = self._kernels(self.buffer.data_ptr(), rest.tolist()) if self.kernels \
+                else []
+            sizes = np.array([self.specs[i].nbytes for i in rest.tolist()], dtype=np.int64)
+            others = self._others[key] = (rest, kernels, sizes)
+        rest, kernels, sizes = others
+        slots = self.buffer.data_ptr() + self._offsets
+        if self.misaligned:
+            return None
+        if self.device_index < 0:
+            if (module := native.load()) is None:
+                return None
+            check = prepared.fill(slots, mark)
+            module.copy_bytes(*(torch.from_numpy(a) for a in (prepared.ptrs[rest], slots[rest],
+                                                               sizes)))
+            return check
+        if not self.kernels or (tables := kernel_tables(kernels, prepared.ptrs)) is None:
+            return None
+        check = prepared.fill(slots, mark)
+        for kernel, table, bits in tables:
+            kernel.run(table, bits)
+        return check
 
     def warm(self) -> None:
         """Compile and capture this bucket's pack kernels (CUDA) before the first refit needs

@@ -35,13 +35,22 @@ class PreparedBucket:
     address, the source having checked them itself (each of its spec's dtype and shape,
     contiguous on `device`), so the sender makes no tensor per item. `views()` makes the
     tensors for the paths that need them (a compact frame, a slot the pack kernel cannot
-    take, another device); `keep` holds their memory."""
+    take, another device); `keep` holds their memory.
+
+    With `fill`, the source writes the slots in `filled` itself, straight into the frame
+    (an FP8 source quantizes into it: no second pass over the bytes), and `ptrs` holds only
+    the other slots' addresses: `fill(slot_addresses, (address, value))` launches the writes
+    (in stream order) and returns a check to call once the stream's work is done: why the
+    filled bytes are wrong (a non-finite weight; it then also wrote the int64 `value` at
+    `address`, the frame header's status word, so that no receiver loads them), or None."""
 
     names: tuple[str, ...]
     ptrs: np.ndarray  # int64, one per name
     views: Callable[[], list[torch.Tensor]]
     device: torch.device  # where the addresses point
     keep: tuple = ()
+    fill: Callable[[np.ndarray, tuple[int, int]], Callable[[], str | None]] | None = None
+    filled: np.ndarray | None = None  # the slots `fill` writes
 
 
 def iter_items(it: Iterable) -> Iterator[tuple[str, torch.Tensor | None]]:

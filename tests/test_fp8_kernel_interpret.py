@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,9 +57,9 @@ def check_batch(block: tuple[int, int], ue8m0: bool) -> int:
     launches = []
     real = fp8_kernel.launch
 
-    def counted(addrs, *args, **kwargs):
-        launches.append(len(addrs))
-        return real(addrs, *args, **kwargs)
+    def counted(addrs, count, *args, **kwargs):
+        launches.append(count)
+        return real(addrs, count, *args, **kwargs)
 
     fp8_kernel.launch, fp8_kernel.available = counted, lambda x, b: x.numel() > 0
     try:
@@ -76,14 +77,18 @@ def check_batch(block: tuple[int, int], ue8m0: bool) -> int:
 
 
 def check_source() -> int:
-    """`Fp8Source` over a plan: its buckets' shape groups go through the kernel; every
-    yielded weight and scale equals the torch path's, the norm passes as it is."""
+    """`Fp8Source` over a plan, the kernel under the interpreter: each bucket goes as a
+    `PreparedBucket` the sender fills (`fp8_fill`). Frames laid out as the plan's buckets,
+    filled and their other slots copied from `ptrs` (as the pack kernel does), hold the torch
+    path's bytes; `views()` gives the same tensors; a NaN marks its frame's status word and
+    its check names the tensor, the other frames' checks pass."""
     from common.config import RefitConfig
-    from common.kernels import fp8_kernel, native
+    from common.kernels import fp8_kernel
     from common.plan import RefitPlan
     from common.quant.fp8_blocks import BlockFp8Format, _quantize_in_chunks
     from common.quant.fp8_plan import Fp8Source, Fp8Targets, scale_name
-    from common.source import DictWeightSource, PreparedBucket, RefusedTensor, iter_items
+    from common.source import DictWeightSource, iter_items
+    from common.wire.bucket_header import STATUS_NONFINITE
 
     fmt = BlockFp8Format()
     weights = {f"layers.{i}.proj.weight": exact(shape, fmt.block, i)
@@ -91,37 +96,60 @@ def check_source() -> int:
     weights["norm.weight"] = torch.ones(300, dtype=torch.bfloat16)
     source = Fp8Source(DictWeightSource(weights),
                        Fp8Targets(fmt, frozenset(n for n in weights if "proj" in n)))
-    plan = RefitPlan.build(source.plan_specs(), RefitConfig(bucket_bytes=1 << 17))
+    plan = RefitPlan.build(source.plan_specs(), RefitConfig(bucket_bytes=40 << 10))
+    want = dict(weights)
+    for name in source.targets.names:
+        want[name], want[scale_name(name)] = _quantize_in_chunks(weights[name], fmt, 1 << 23)
     fp8_kernel.available = lambda x, b: x.numel() > 0
-    launches, real = [], fp8_kernel.launch
-    fp8_kernel.launch = lambda *args, **kw: launches.append(1) or real(*args, **kw)
-    try:
-        it = source.iter_tensors(plan)
-        first = next(it)  # the first bucket by address: quantized by the kernel, all finite
-        assert isinstance(first, PreparedBucket), first
-        layouts = source._bucket_layouts(plan)  # the second bucket launched before the first
-        assert len(launches) == len(layouts[0].groups) + len(layouts[1].groups), launches
-        views = first.views()
-        assert list(first.ptrs) == [t.data_ptr() for t in views]
-        got = dict(zip(first.names, views, strict=True))
-        got.update(iter_items(it))
-    finally:
-        fp8_kernel.launch = real
-    assert len(got) == len(plan.specs) == 13 and len(plan.buckets) > 1
-    assert source._scans or native.load() is None  # the native scan's addresses were used
-    assert got["norm.weight"] is weights["norm.weight"]
-    for name, x in weights.items():
-        if name != "norm.weight":
-            rq, rs = _quantize_in_chunks(x, fmt, 1 << 23)
-            assert torch.equal(got[name].view(torch.uint8), rq.view(torch.uint8)), name
-            assert torch.equal(got[scale_name(name)].view(torch.int32), rs.view(torch.int32))
-    first = layouts[0].names[layouts[0].targets[0][0]]  # a NaN in the first bucket: refused
-    weights[first] = weights[first].clone()  # before that bucket is yielded, by name
-    weights[first][3, 4] = float("nan")
-    bad = dict(iter_items(source.iter_tensors(plan)))
-    for name in (first, scale_name(first)):
-        assert isinstance(bad[name], RefusedTensor) and "1 NaN" in bad[name].reason, bad[name]
+    got, status, checks = filled_frames(source, plan)
+    assert source.by_address == len(plan.buckets) > 2, source.by_address
+    assert not status.any() and not any(map(_call, checks))
+    for name, x in want.items():
+        assert torch.equal(got[name].view(torch.uint8), x.view(torch.uint8)), name
+    viewed = dict(iter_items(source.iter_tensors(plan)))  # quantized into buffers of their own
+    assert all(torch.equal(viewed[n].view(torch.uint8), x.view(torch.uint8))
+               for n, x in want.items())
+    last = next(s.name for s in plan.bucket_specs(plan.buckets[-1])  # a NaN in the last
+                if s.name in source.targets.names)  # bucket's first target
+    weights[last] = weights[last].clone()
+    weights[last][3, 4] = float("nan")
+    _, status, checks = filled_frames(source, plan)
+    assert status.tolist() == [0] * (len(plan.buckets) - 1) + [STATUS_NONFINITE], status
+    assert [c is None for c in map(_call, checks)] == [True] * (len(plan.buckets) - 1) + [False]
+    assert repr(last) in checks[-1]() and "NaN or inf" in checks[-1](), checks[-1]()
     return len(got) + 1
+
+
+def _call(check):
+    return check()
+
+
+def filled_frames(source, plan) -> tuple[dict, torch.Tensor, list]:
+    """Every bucket of one iteration of `source` filled into a frame of its own (its status
+    word in `status`), the other slots copied from their addresses: (name, tensor) of all
+    frames, the status words and each fill's check."""
+    import ctypes
+
+    from common.packing import BucketLayout
+    from common.source import PreparedBucket
+    from common.wire.bucket_header import STATUS_NONFINITE
+
+    status = torch.zeros(len(plan.buckets), dtype=torch.int64)
+    got, checks = {}, []
+    items = source.iter_tensors(plan)
+    for bucket in plan.buckets:
+        prepared = next(items)
+        assert isinstance(prepared, PreparedBucket) and prepared.fill is not None, prepared
+        specs = plan.bucket_specs(bucket)
+        frame = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        slots = frame.data_ptr() + np.array(bucket.offsets, dtype=np.int64)
+        mark = (status.data_ptr() + 8 * bucket.index, STATUS_NONFINITE)
+        checks.append(prepared.fill(slots, mark))
+        for k in sorted(set(range(len(specs))) - set(prepared.filled.tolist())):
+            ctypes.memmove(int(slots[k]), int(prepared.ptrs[k]), specs[k].nbytes)
+        got.update(BucketLayout(frame, specs, bucket.offsets).unpack())
+    assert next(items, None) is None
+    return got, status, checks
 
 
 def check_scale_alignment() -> int:

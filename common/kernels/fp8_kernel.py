@@ -1,7 +1,8 @@
 """Block-FP8 quantization in one CUDA pass (Triton): one program per (rows x cols) block reads
 it once, takes its amax, writes its e4m3 values and its float32 scale_inv; one launch covers
-every tensor of one shape (their addresses in a table), so an MoE layer's experts cost one
-launch, not one each.
+every tensor of one shape (their input and output addresses in a table, so the outputs may be
+a frame's slots), so an MoE layer's experts cost one launch, not one each. A block that is not
+finite also marks two int64 words (a flag, a frame header's status) with no host sync.
 
 It reproduces what vLLM's `per_block_cast_to_fp8` computes with torch ops on CUDA, operation
 for operation: the amax clamped at 1e-4; the scale as amax times the float32 reciprocal of the
@@ -14,7 +15,6 @@ the scale's correctly rounded reciprocal and rounded to nearest into e4m3 (satur
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -40,14 +40,17 @@ if triton is not None:
     _IN = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
     @triton.jit
-    def _quantize_blocks(x_addrs, q, s, m, n, stride_m, stride_n, blocks_m, blocks_n, inv_max,
+    def _quantize_blocks(addrs, count, marks, m, n, stride_m, stride_n, blocks_n, inv_max,
                          IN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         UE8M0: tl.constexpr, ALIGN: tl.constexpr):
-        # program (t, i, j): block (i, j) of tensor t, read at its address in `x_addrs` (a
-        # multiple of ALIGN bytes: an address loaded from memory otherwise leaves Triton
-        # assuming one element's alignment, and no wide loads)
+                         UE8M0: tl.constexpr, ALIGN: tl.constexpr, Q_ALIGN: tl.constexpr):
+        # program (t, i, j): block (i, j) of tensor t; `addrs` holds every tensor's input,
+        # e4m3 output and scales' addresses (three runs of `count`), the inputs a multiple of
+        # ALIGN bytes and the outputs of Q_ALIGN (an address loaded from memory otherwise
+        # leaves Triton assuming one element's alignment, and no wide accesses)
         t, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        x = tl.multiple_of(tl.load(x_addrs + t), ALIGN).to(tl.pointer_type(IN))
+        x = tl.multiple_of(tl.load(addrs + t), ALIGN).to(tl.pointer_type(IN))
+        q = tl.multiple_of(tl.load(addrs + count + t), Q_ALIGN).to(tl.pointer_type(tl.float8e4nv))
+        s = tl.load(addrs + 2 * count + t).to(tl.pointer_type(tl.float32))
         rows = pid_m * BM + tl.arange(0, BM)[:, None]
         cols = pid_n * BN + tl.arange(0, BN)[None, :]
         mask = (rows < m) & (cols < n)
@@ -57,50 +60,66 @@ if triton is not None:
         if UE8M0:
             sf = libdevice.exp2(tl.ceil(libdevice.log2(sf)))
         nans = tl.sum(tl.sum((v != v).to(tl.int32), axis=1), axis=0)
-        sf = tl.where(nans > 0, float("nan"), sf)  # the caller refuses non-finite scales
+        sf = tl.where(nans > 0, float("nan"), sf)
         inv = tl.math.div_rn(1.0, sf)
-        t64 = t.to(tl.int64)
-        tl.store(q + t64 * m * n + rows * n + cols, (v * inv).to(tl.float8e4nv), mask=mask)
-        tl.store(s + (t64 * blocks_m + pid_m) * blocks_n + pid_n, sf)
+        tl.store(q + rows * n + cols, (v * inv).to(tl.float8e4nv), mask=mask)
+        tl.store(s + pid_m * blocks_n + pid_n, sf)
+        # a non-finite block marks two int64 words (`marks`: their addresses, then the first's
+        # base value, to which the tensor's index is added, then the second's value)
+        bad = ~(tl.abs(sf) < float("inf"))
+        flag = tl.load(marks).to(tl.pointer_type(tl.int64))
+        status = tl.load(marks + 1).to(tl.pointer_type(tl.int64))
+        tl.store(flag, tl.load(marks + 2) + t, mask=bad)
+        tl.store(status, tl.load(marks + 3), mask=bad)
 
 
-def address_table(ptrs: Sequence[int] | np.ndarray,
-                  device: torch.device) -> tuple[torch.Tensor, int]:
-    """Tensor addresses on `device`, for `launch`, and the bytes all of them are a multiple
-    of (a power of two, 16 at most: the widest load). Pinned and non-blocking on CUDA: a
-    pageable upload would wait for the stream to drain."""
-    host = np.asarray(ptrs, dtype=np.int64)
-    bits = int(np.bitwise_or.reduce(host)) | 16 if len(host) else 16
-    table = torch.from_numpy(host)
+def alignment(ptrs: np.ndarray) -> int:
+    """The bytes every address in `ptrs` is a multiple of (a power of two, 16 at most: the
+    widest access)."""
+    bits = (int(np.bitwise_or.reduce(ptrs)) if len(ptrs) else 0) | 16
+    return bits & -bits
+
+
+def upload(table: np.ndarray, device: torch.device) -> torch.Tensor:
+    """An int64 table on `device`, pinned and non-blocking on CUDA: a pageable upload would
+    wait for the stream to drain."""
+    host = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
     if device.type == "cuda":
-        table = table.pin_memory()
-    return table.to(device, non_blocking=True), bits & -bits
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
-def launch(addrs: torch.Tensor, align: int, like: torch.Tensor, q: torch.Tensor,
-           s: torch.Tensor, block: tuple[int, int], ue8m0: bool) -> None:
-    """Quantize the tensors at `addrs` (each a multiple of `align` bytes, of `like`'s shape,
-    strides and dtype) into `q` (e4m3, [len(addrs), m, n], contiguous) and `s` (float32
-    scale_inv, [len(addrs), blocks_m, blocks_n], contiguous: may be a view into a larger
-    buffer)."""
+def launch(addrs: torch.Tensor, count: int, aligns: tuple[int, int], like: torch.Tensor,
+           block: tuple[int, int], ue8m0: bool, marks: torch.Tensor) -> None:
+    """Quantize `count` tensors (each of `like`'s shape, strides and dtype; their input
+    addresses a multiple of `aligns[0]` bytes) into contiguous e4m3 values (at multiples of
+    `aligns[1]`) and float32 scale_inv blocks [blocks_m, blocks_n]. `addrs`: on the device,
+    the inputs' addresses, then the values', then the scales' (a slice of a larger upload).
+    `marks`: on the device, two int64 words' addresses, a base and a value: a tensor with a
+    non-finite block writes base + its index into the first, value into the second (and its
+    scales hold NaN or inf)."""
     (m, n), (bm, bn) = like.shape, block
     blocks = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    grid = (len(addrs), *blocks)
-    args = (addrs, q, s, m, n, like.stride(0), like.stride(1), blocks[0], blocks[1],
-            _INV_FP8_MAX)
-    consts = dict(IN=_IN[like.dtype], BM=bm, BN=bn, UE8M0=ue8m0, ALIGN=align, num_warps=8)
+    args = (addrs, count, marks, m, n, like.stride(0), like.stride(1), blocks[1], _INV_FP8_MAX)
+    consts = dict(IN=_IN[like.dtype], BM=bm, BN=bn, UE8M0=ue8m0, ALIGN=aligns[0],
+                  Q_ALIGN=aligns[1], num_warps=8)
     # CPU tensors: Triton's interpreter (TRITON_INTERPRET=1), for tests without a GPU
     with torch.cuda.device(like.device) if like.is_cuda else contextlib.nullcontext():
-        _quantize_blocks[grid](*args, **consts)
+        _quantize_blocks[(count, *blocks)](*args, **consts)
 
 
 def quantize(x: torch.Tensor, block: tuple[int, int],
              ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values of x's shape, float32 scale_inv per block) of the 2-D CUDA tensor `x`
-    (a batch of one shape goes through `launch` with its own address table)."""
+    (batches go through `launch` with tables of their own)."""
     (m, n), (bm, bn) = x.shape, block
-    q = torch.empty((1, m, n), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((1, triton.cdiv(m, bm), triton.cdiv(n, bn)), dtype=torch.float32,
+    q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((triton.cdiv(m, bm), triton.cdiv(n, bn)), dtype=torch.float32,
                     device=x.device)
-    launch(*address_table([x.data_ptr()], x.device), x, q, s, block, ue8m0)
-    return q[0], s[0]
+    ptrs = np.array([x.data_ptr(), q.data_ptr(), s.data_ptr()], dtype=np.int64)
+    scratch = torch.zeros(1, dtype=torch.int64, device=x.device)  # its marks, unread
+    marks = np.array([scratch.data_ptr()] * 2 + [1, 1], dtype=np.int64)
+    table = upload(np.concatenate([ptrs, marks]), x.device)
+    launch(table[:3], 1, (alignment(ptrs[:1]), alignment(ptrs[1:2])), x, block, ue8m0,
+           table[3:])
+    return q, s

@@ -157,7 +157,7 @@ def start_batch(named: list[tuple[str, torch.Tensor | None]], fmt: BlockFp8Forma
     they are."""
     out: list = [None] * len(named)
     if groups is not None and addresses is not None:
-        groups = [list(idx) for idx in groups if idx and _launchable(named[idx[0]][1], fmt)]
+        groups = [list(idx) for idx in groups if idx and launchable(named[idx[0]][1], fmt)]
     else:
         addresses = None
         groups = _kernel_groups(named, groups if groups is not None else [range(len(named))],
@@ -237,11 +237,11 @@ class Fp8Batch:
 
 
 class _FiniteFlag:
-    """Whether every value of a device tensor is finite, read back without waiting now: on
-    CUDA copied into pinned host memory behind the stream's work, an event after it."""
+    """Whether a batch's flag (set by a non-finite block) stayed 0, read back without waiting
+    now: on CUDA copied into pinned host memory behind the stream's work, an event after it."""
 
-    def __init__(self, values: torch.Tensor) -> None:
-        flag = torch.isfinite(values).all()
+    def __init__(self, flag: torch.Tensor) -> None:
+        flag = flag[0] == 0
         self._event = None
         if flag.is_cuda:
             host = torch.empty((), dtype=torch.bool, pin_memory=True)
@@ -272,13 +272,14 @@ def _kernel_groups(named: list, groups: Sequence[Sequence[int]],
             if len(xs) > 1:
                 out += _kernel_groups(named, _by_key(named, idx), fmt)
             continue
-        if _launchable(xs[0], fmt) and device in (None, xs[0].device):
+        if launchable(xs[0], fmt) and device in (None, xs[0].device):
             device = xs[0].device
             out.append(list(idx))
     return out
 
 
-def _launchable(x: torch.Tensor, fmt: BlockFp8Format) -> bool:
+def launchable(x: torch.Tensor, fmt: BlockFp8Format) -> bool:
+    """Whether the CUDA kernel quantizes `x` (2-D, bf16 / fp16 / fp32, on a GPU)."""
     return x.dim() == 2 and x.dtype in _INPUT_DTYPES and fp8_kernel.available(x, fmt.block)
 
 
@@ -301,28 +302,64 @@ def _by_key(named: list, idx: Sequence[int]) -> list[list[int]]:
 
 def _launch_groups(named: list, groups: list[list[int]], fmt: BlockFp8Format,
                    addresses: np.ndarray | None) -> tuple[list, _FiniteFlag]:
-    """One launch per group, every scale in one buffer with one finite check for all:
-    (positions, e4m3 values, scales) per group, and the check. Each group's scales start 16
-    bytes aligned (the pack kernel copies 16-byte words from such sources), the padding
-    zeros (finite)."""
+    """One launch per group into buffers of its own, every scale in one buffer, one flag for
+    all that a non-finite block sets: (positions, e4m3 values, scales) per group, and the
+    flag. Each group's scales start 16 bytes aligned (the pack kernel copies 16-byte words
+    from such sources)."""
     device = named[groups[0][0]][1].device
     order = np.fromiter(itertools.chain.from_iterable(groups), np.int64)
-    addrs, align = fp8_kernel.address_table(
-        addresses[order] if addresses is not None
-        else [named[i][1].data_ptr() for i in order.tolist()], device)
     blocks = [fmt.scale_shape(named[idx[0]][1].shape) for idx in groups]
     sizes = [len(idx) * b[0] * b[1] for idx, b in zip(groups, blocks, strict=True)]
     starts = [0, *itertools.accumulate(-(-n // 4) * 4 for n in sizes)]
-    scales = torch.zeros(starts[-1], dtype=torch.float32, device=device)
-    done, first = [], 0
+    scales = torch.empty(starts[-1], dtype=torch.float32, device=device)
+    flag = torch.zeros(1, dtype=torch.int64, device=device)
+    q_at, s_at = np.empty(len(named), np.int64), np.empty(len(named), np.int64)
+    done = []
     for idx, b, size, at in zip(groups, blocks, sizes, starts, strict=False):
         x = named[idx[0]][1]
         q = torch.empty((len(idx), *x.shape), dtype=fmt.dtype, device=device)
         s = scales[at:at + size].view(len(idx), *b)
-        fp8_kernel.launch(addrs[first:first + len(idx)], align, x, q, s, fmt.block, fmt.ue8m0)
+        step = np.arange(len(idx), dtype=np.int64)
+        q_at[idx] = q.data_ptr() + step * x.numel()
+        s_at[idx] = s.data_ptr() + step * (b[0] * b[1] * 4)
         done.append((idx, q, s))
+    x_at = addresses[order] if addresses is not None else np.fromiter(
+        (named[i][1].data_ptr() for i in order.tolist()), np.int64, len(order))
+    launch_into(named, groups, fmt, (x_at, q_at[order], s_at[order]),
+                (flag.data_ptr(), flag.data_ptr(), 1))
+    return done, _FiniteFlag(flag)
+
+
+def launch_into(named: list, groups: list[list[int]], fmt: BlockFp8Format,
+                at: tuple[np.ndarray, np.ndarray, np.ndarray], marks: tuple[int, int, int],
+                ) -> None:
+    """Quantize each group of `named`'s tensors (same shape, dtype and strides: one launch
+    each) from and to the addresses in `at` (inputs, e4m3 values, scales; in the groups'
+    order), with one upload of every table. `marks` (flag, status, status value): a
+    non-finite block sets the int64 flag to (group + 1) << 32 | the tensor's place in it
+    (`marked_tensor`) and the status word to the value; its scales hold NaN or inf."""
+    device = named[groups[0][0]][1].device
+    flag, status, value = marks
+    tables, first = [], 0
+    for g, idx in enumerate(groups):
+        part = slice(first, first + len(idx))
+        tables += [a[part] for a in at]
+        tables.append(np.array([flag, status, (g + 1) << 32, value], dtype=np.int64))
         first += len(idx)
-    return done, _FiniteFlag(scales)
+    table = fp8_kernel.upload(np.concatenate(tables), device)
+    aligns = (fp8_kernel.alignment(at[0]), fp8_kernel.alignment(at[1]))
+    offset = 0
+    for idx in groups:
+        end = offset + 3 * len(idx)
+        fp8_kernel.launch(table[offset:end], len(idx), aligns, named[idx[0]][1], fmt.block,
+                          fmt.ue8m0, table[end:end + 4])
+        offset = end + 4
+
+
+def marked_tensor(groups: list[list[int]], flag: int) -> int | None:
+    """The position of a tensor `launch_into` found not finite, from its flag's value (None:
+    all finite)."""
+    return None if flag == 0 else groups[(flag >> 32) - 1][flag & 0xFFFFFFFF]
 
 
 def _quantize_in_chunks(x: torch.Tensor, fmt: BlockFp8Format,

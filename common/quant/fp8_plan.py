@@ -28,6 +28,7 @@ from common.errors import FormatMismatchError
 from common.kernels import native
 from common.plan import RefitPlan, TensorSpec
 from common.quant.fp8_blocks import BlockFp8Format, Fp8Batch, start_batch
+from common.quant.fp8_fill import FillFlags, fill_bucket, fillable
 from common.source import MappingItems, PreparedBucket, RefusedTensor, WeightSource
 
 SCALE_SUFFIX = "_scale_inv"
@@ -169,22 +170,37 @@ class Fp8Source:
     def iter_tensors(self, plan: RefitPlan) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Per plan spec in plan order: the inner source's tensor, a target quantized, or a
         target's scale (from its weight, which comes first: each source's order holds in any
-        plan, interleaved too). A bucket's targets are quantized together (`start_batch`:
-        one launch per shape on CUDA), and the next bucket's are launched before this one's
-        are checked and yielded, so the device quantizes while the host sends: two buckets'
-        inner tensors are alive together. The per-spec work is laid out once per plan
-        (`_BucketLayout`), none of it per tensor and refit."""
+        plan, interleaved too). A bucket whose inner tensors the native scan found on a GPU
+        the kernel serves goes as one `PreparedBucket` the sender fills (`fp8_fill`: the
+        targets quantized straight into the frame). Otherwise its targets are quantized
+        together (`start_batch`: one launch per shape on CUDA), the next bucket's launched
+        before this one's are checked and yielded, so the device quantizes while the host
+        sends: two buckets' inner tensors are alive together. The per-spec work is laid out
+        once per plan (`_BucketLayout`), none of it per tensor and refit."""
         inner = self.inner.iter_tensors(self._inner_plan(plan))
         scales: dict[str, torch.Tensor | RefusedTensor | None] = {}
         self.by_address = 0
         ahead = None  # the bucket launched last: (layout, its inner items, batch, addresses)
         taken = 0  # inner items so far
-        for layout in self._bucket_layouts(plan):
+        flags = None  # the fills' non-finite flags (`FillFlags`), made with the first fill
+        layouts = self._bucket_layouts(plan)
+        for index, layout in enumerate(layouts):
             got, addresses = self._take(inner, layout, taken)  # (name, tensor), in order
             if len(got) < len(layout.inner):
                 raise ValueError(f"the weight source ended before {layout.names[0]!r}'s bucket "
                                  f"was complete ({len(got)} of {len(layout.inner)} tensors)")
             taken += len(got)
+            if addresses is not None and fillable(layout.addressing.targets_of(got),
+                                                  layout.groups, self.targets.fmt):
+                if ahead is not None:  # its scales may be this bucket's
+                    yield from self._settled(*ahead, scales)
+                    ahead = None
+                flags = flags or FillFlags(len(layouts), got[0][1].device)
+                if (prepared := fill_bucket(layout, got, addresses, scales, flags, index,
+                                            self.targets.fmt)) is not None:
+                    self.by_address += 1
+                    yield prepared
+                    continue
             launched = (layout, got, *self._start(got, layout, addresses))
             if ahead is not None:
                 yield from self._settled(*ahead, scales)

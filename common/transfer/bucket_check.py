@@ -104,8 +104,11 @@ class BucketChecker:
                              f"from {self.names(bucket)[:1]}")
         if self.rank != bucket.source_rank:
             return [], None
-        # the group's device has its index, as a tensor's has; elsewhere the pack moves them
-        return LazyTensors(prepared), prepared.ptrs if prepared.device == self.device else None
+        # the group's device has its index, as a tensor's has; elsewhere the pack moves them.
+        # A bucket the source fills has only its other slots' addresses: the sender asks the
+        # tensors (`LazyTensors.prepared`) whether it may fill the frame.
+        mine = prepared.device == self.device and prepared.fill is None
+        return LazyTensors(prepared), prepared.ptrs if mine else None
 
     def names(self, bucket: Bucket) -> tuple[str, ...]:
         """The bucket's planned names (a tuple, compared as one)."""
@@ -130,12 +133,12 @@ class LazyTensors(Sequence):
     addresses; a compact frame or a fallback pack takes the tensors)."""
 
     def __init__(self, prepared: PreparedBucket) -> None:
-        self._prepared, self._made = prepared, None
+        self.prepared, self._made = prepared, None
 
     def __len__(self) -> int:
-        return len(self._prepared.names)
+        return len(self.prepared.names)
 
     def __getitem__(self, i):
         if self._made is None:
-            self._made = self._prepared.views()
+            self._made = self.prepared.views()
         return self._made[i]

@@ -49,7 +49,12 @@ from common.transfer.graph_frames import GraphFrames
 from common.transfer.handshake import agree_on_plan
 from common.transfer.receiver import RefitReceiver
 from common.wire import checksum
-from common.wire.bucket_header import HEADER_BYTES, VERSION_SLICE
+from common.wire.bucket_header import (
+    HEADER_BYTES,
+    STATUS_NONFINITE,
+    STATUS_OFFSET,
+    VERSION_SLICE,
+)
 from common.wire.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,7 @@ class RefitSender(Endpoint):
         self.checker = BucketChecker(plan, group.rank, group.device, group.label)
         self.shadows = ShadowSender(self) if plan.config.delta else None
         self._headers: tuple | None = None  # `header_table`'s
+        self._checks: list = []  # a refit's (bucket, check) per frame its source filled
         self.graphs = (GraphFrames(group, self.checksums)
                        if plan.config.graph_send and group.captures_broadcasts else None)
         for bucket in plan.buckets:  # the first refit then runs at the speed of the others
@@ -132,6 +138,7 @@ class RefitSender(Endpoint):
         stats.replan_s = time.perf_counter() - t0
         routes = [self.sharding.routes(b) for b in plan.buckets]
         it: Iterator | None = iter(source.iter_tensors(plan))
+        self._checks = []
         error: BaseException | None = None
         pending: dict[tuple[int, int], list] = {}  # (need-set, slot) -> works in flight
         held: dict[tuple[int, int], torch.Tensor | None] = {}
@@ -167,6 +174,7 @@ class RefitSender(Endpoint):
         stats.send_s = time.perf_counter() - t0
         if dead is not None:
             raise dead  # no status exchange over a dead group
+        error = error or self._filled_error(version)
         if it is not None and error is None and next(it, None) is not None:
             error = RefitError(f"{group.label}: weight source yields more tensors than the plan's "
                                f"{len(plan.specs)}")
@@ -225,14 +233,17 @@ class RefitSender(Endpoint):
                 work, error = None, RefitError(f"{group.label}: replaying {what} failed: {e}")
             if work is not None:
                 return [(work, what)], None, error
+        row = table[1][bucket.index, route.set_index]
         if is_src and error is None:
             try:  # a failing pack (device, memory) becomes an ABORT like any other error
-                payload = self._pack(bucket, route, tensors, ptrs)
+                mark = (table[0].data_ptr() + row * HEADER_BYTES + STATUS_OFFSET,
+                        STATUS_NONFINITE)
+                payload = self._pack(bucket, route, tensors, ptrs, mark)
                 if self.shadows is not None:  # a whole frame in a refit with deltas on
                     self.shadows.keep(bucket, route, payload)
             except Exception as e:  # noqa: BLE001 - reported to every rank
                 error = RefitError(f"{group.label}: packing {what} failed: {e}")
-        row = table[0][table[1][bucket.index, route.set_index]]
+        row = table[0][row]  # after the pack: a fill may have marked its status
         if is_src and error is not None:
             wire[:HEADER_BYTES].copy_(self.header(bucket, version, error, route).encode())
         elif is_src and direct:
@@ -248,17 +259,34 @@ class RefitSender(Endpoint):
         return [(group.broadcast(wire, src, sub), what + " header"),
                 (group.broadcast(payload, src, sub), what)], payload, error
 
-    def _pack(self, bucket: Bucket, route: Route, tensors: list, ptrs) -> torch.Tensor:
+    def _pack(self, bucket: Bucket, route: Route, tensors: list, ptrs,
+              mark: tuple[int, int] | None = None) -> torch.Tensor:
         """The frame's payload, from the bucket's tensors (a direct bucket: its tensor's own
-        bytes; else packed or gathered into its buffer)."""
+        bytes; else packed or gathered into its buffer). `mark`: the frame's header status
+        word on the device and NONFINITE, when the source may fill the frame itself and mark
+        it (`PreparedBucket.fill`; its check runs after the last frame, `_filled_error`)."""
         slot = bucket.index % self.num_buffers
         if bucket.direct and route.gather is None:
             return byte_view(tensors[0].contiguous())
+        prepared = getattr(tensors, "prepared", None)
         if route.gather is not None:
             self.compact[route.set_index].fill(slot, bucket.index, route.gather, tensors, ptrs)
+        elif (mark and prepared is not None and prepared.fill is not None
+              and prepared.device == self.group.device
+              and (check := self.layouts[bucket.index].fill(prepared, mark)) is not None):
+            self._checks.append((bucket, check))
         else:
             self.layouts[bucket.index].pack(tensors, ptrs)
         return self.frame(bucket, route, slot)[1]
+
+    def _filled_error(self, version: int) -> RefitError | None:
+        """Why a frame the source filled must not count (checked once the stream's work is
+        done: the first check waits for it), or None."""
+        for bucket, check in self._checks:
+            if why := check():
+                return RefitError(f"{self.group.label}: refit v{version} bucket "
+                                  f"{bucket.index}/{len(self.plan.buckets)}: {why}")
+        return None
 
     def _send_delta(self, bucket: Bucket, version: int, tensors: list, ptrs, error,
                     route: Route, base: int) -> tuple[list, object, BaseException | None]:

@@ -2,7 +2,9 @@
 
 It carries the bucket index, the weight version and the plan digest (so a desynchronised rank
 is caught, never silently loaded), an OK / ABORT status with the sender's reason, so an abort
-reaches every rank inside the same collective that would have carried the bucket, and the
+reaches every rank inside the same collective that would have carried the bucket (or a
+NONFINITE status a device kernel wrote into the header while it filled the frame: an FP8
+weight that is not finite, `common.quant.fp8_fill`), and the
 payload's checksum where the sender computed one (`common.wire.checksum`). Frames of one bucket
 differ by receiver (`common.shard.plan`): the header says which need-set a frame is for, its
 kind (the whole bucket, or compact: only the set's ranges) and its payload's size, which each
@@ -22,7 +24,10 @@ import torch
 
 HEADER_BYTES = 512
 MAGIC = 0x52454649  # "REFI"
-STATUS_OK, STATUS_ABORT = 1, 2
+STATUS_OK, STATUS_ABORT, STATUS_NONFINITE = 1, 2, 3
+STATUS_OFFSET = 8  # the status's bytes (<q after magic): a kernel may write it on the device
+NONFINITE_MESSAGE = ("a weight of this bucket is not finite (NaN or inf), found as it was "
+                     "quantized to FP8; the trainers' error names it")
 # magic, status, bucket, num_buckets, version, msg_len, plan digest, need-set, frame kind,
 # payload bytes, rebuilt bytes' checksum, has checksum, checksum
 _FIXED = struct.Struct("<qqqqqq32sqqqQqQ")
@@ -62,9 +67,11 @@ class Header:
         raw = data[:HEADER_BYTES].cpu().numpy().tobytes()
         (magic, status, bucket, num_buckets, version, msg_len, digest, need_set, kind,
          payload_bytes, rebuilt, checksummed, checksum) = _FIXED.unpack_from(raw)
-        if magic != MAGIC or status not in (STATUS_OK, STATUS_ABORT):
+        if magic != MAGIC or status not in (STATUS_OK, STATUS_ABORT, STATUS_NONFINITE):
             raise ValueError(f"not a refit bucket header (magic {magic:#x}, status {status})")
         message = raw[_FIXED.size : _FIXED.size + msg_len].decode(errors="replace")
+        if status == STATUS_NONFINITE:
+            message = NONFINITE_MESSAGE
         return cls(bucket, num_buckets, version, digest.hex(), status, message, need_set,
                    kind, payload_bytes, rebuilt, bool(checksummed), checksum)
 

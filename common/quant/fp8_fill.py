@@ -1,0 +1,124 @@
+"""FP8 buckets quantized straight into the sender's frame: one pass over the bf16 bytes.
+
+Quantizing into buffers of the source's own and then packing those into the frame reads and
+writes the e4m3 bytes a second time. A bucket whose inner tensors the native scan found (all
+contiguous on one GPU, the kernel able to take every target) goes to the sender as a
+`PreparedBucket` with a `fill`: when the sender packs the frame it hands over the frame's slot
+addresses and the frame header's status word, and one launch per shape writes each target's
+e4m3 values and scales into their slots (a scale whose slot is in a later bucket into a tensor
+of the source's, which that bucket packs by address). The pack kernel copies the rest.
+
+A non-finite weight cannot be refused before its bytes are in the frame without waiting for
+the device, so the kernel marks it: the header's status becomes NONFINITE (receivers load
+nothing of that frame and stop loading), and the refit's flag word for the bucket names the
+tensor; the sender reads the flags once, after its last frame, and fails the refit on every
+rank naming it. Any other path to the frame (a delta or compact frame, a direct bucket)
+takes `views()`: the tensors quantized into buffers of their own and checked first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from common.quant.fp8_blocks import (
+    BlockFp8Format,
+    launch_into,
+    launchable,
+    marked_tensor,
+    quantize_batch,
+)
+from common.source import PreparedBucket
+
+
+class FillFlags:
+    """One int64 word per bucket of a refit, set by a non-finite block of its fill. Read
+    back once per set of fills launched (a read waits for the stream): the sender checks
+    every frame after its last."""
+
+    def __init__(self, buckets: int, device: torch.device) -> None:
+        self.words = torch.zeros(buckets, dtype=torch.int64, device=device)
+        self.launched = 0  # fills so far
+        self._host: tuple[int, np.ndarray] | None = None  # (fills then, the words)
+
+    def address(self, bucket: int) -> int:
+        return self.words.data_ptr() + 8 * bucket
+
+    def marked(self, bucket: int) -> int:
+        if self._host is None or self._host[0] != self.launched:
+            self._host = (self.launched, self.words.cpu().numpy())
+        return int(self._host[1][bucket])
+
+
+def fillable(targets: list[tuple[str, torch.Tensor]], groups, fmt: BlockFp8Format) -> bool:
+    """Whether the kernel takes every group of the bucket's targets (each group's tensors
+    share a shape and dtype: the plan's groups, the native scan checked them)."""
+    return bool(targets) and all(launchable(targets[g[0]][1], fmt) for g in groups)
+
+
+def fill_bucket(layout, got: list, inner_at: np.ndarray, scales: dict, flags: FillFlags,
+                bucket: int, fmt: BlockFp8Format) -> PreparedBucket | None:
+    """The bucket (`layout`: its `_BucketLayout`; `got`: its inner items, `inner_at` their
+    addresses) as a `PreparedBucket` the sender fills; None when a scale of an earlier
+    bucket's target is not a tensor (its items then say why). Takes that bucket's scales out
+    of `scales` and puts this one's later scales (tensors the fill writes) in."""
+    a = layout.addressing
+    carried = [scales.get(n) for _, n in a.carried_in]
+    if not all(isinstance(c, torch.Tensor) for c in carried):
+        return None
+    for _, n in a.carried_in:
+        del scales[n]
+    targets = a.targets_of(got)
+    device = targets[0][1].device
+    later = {}  # target -> the tensor its scale goes to (sent with a later bucket)
+    for t, n in a.carried_out:
+        later[t] = scales[n] = torch.empty(fmt.scale_shape(targets[t][1].shape),
+                                           dtype=torch.float32, device=device)
+    ptrs = np.zeros(len(layout.names), np.int64)
+    ptrs[a.inner_pos] = inner_at
+    for (k, _), c in zip(a.carried_in, carried, strict=True):
+        ptrs[k] = c.data_ptr()
+    groups = [list(g) for g in layout.groups]
+    order = np.fromiter((t for g in groups for t in g), np.int64)
+    x_at = inner_at[a.target_inner][order]
+    names = [n for n, _ in targets]
+
+    def fill(slots: np.ndarray, mark: tuple[int, int]) -> Callable[[], str | None]:
+        s_at = np.empty(len(targets), np.int64)
+        s_at[a.scale_target] = slots[a.scale_pos]
+        for t, s in later.items():
+            s_at[t] = s.data_ptr()
+        launch_into(targets, groups, fmt, (x_at, slots[a.target_pos][order], s_at[order]),
+                    (flags.address(bucket), *mark))
+        flags.launched += 1
+        return lambda: _why(names, marked_tensor(groups, flags.marked(bucket)))
+
+    def views() -> list[torch.Tensor]:
+        results = quantize_batch(targets, fmt, groups, inner_at[a.target_inner])
+        for result in results:
+            if not isinstance(result, tuple):
+                raise ValueError(result)  # names the tensor
+        for t, s in later.items():
+            s.copy_(results[t][1])
+        out: list = [None] * len(layout.names)
+        for k, (_, tensor) in zip(layout.inner, got, strict=True):
+            out[k] = tensor
+        for k, (q, _) in zip(a.target_pos.tolist(), results, strict=True):
+            out[k] = q
+        for k, t in zip(a.scale_pos.tolist(), a.scale_target.tolist(), strict=True):
+            out[k] = results[t][1]
+        for (k, _), c in zip(a.carried_in, carried, strict=True):
+            out[k] = c
+        return out
+
+    return PreparedBucket(layout.names, ptrs, views, device, (got, carried, later), fill,
+                          np.concatenate([a.target_pos, a.scale_pos]))
+
+
+def _why(names: list[str], marked: int | None) -> str | None:
+    if marked is None:
+        return None
+    return (f"{names[marked]!r} has NaN or inf values: it cannot be quantized to FP8 (its "
+            "frame went with a NONFINITE status: no receiver loaded it)")
