@@ -15,9 +15,11 @@ The sender gathers bucket k+1 before waiting for its buffer and packs it while b
 the wire (gloo works on its own thread; NCCL kernels run on the process group's stream while the
 pack runs on the compute stream). A buffer is reused only after the host has waited for its
 previous collective (with the timeout), so packing never overwrites bytes in flight and every
-wait can time out. On an error the sender keeps draining the weight source (its gathers stay in
-step on all training ranks) and sends ABORT headers instead of payloads; receivers stop loading
-at the first ABORT.
+wait can time out; a frame sent by graph replay (pack, header and broadcast on the compute
+stream) comes before anything the stream does next, so its buffer is reused without the host
+waiting, and the replays are waited for (with the timeout) after the last bucket. On an error
+the sender keeps draining the weight source (its gathers stay in step on all training ranks)
+and sends ABORT headers instead of payloads; receivers stop loading at the first ABORT.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from common.source import WeightSource
 from common.stats import RefitStats
 from common.transfer.bucket_check import BucketChecker
 from common.transfer.endpoint import Endpoint
-from common.transfer.graph_frames import GraphFrames
+from common.transfer.graph_frames import GraphFrames, ReplayWork
 from common.transfer.handshake import agree_on_plan
 from common.transfer.receiver import RefitReceiver
 from common.wire import checksum
@@ -141,6 +143,7 @@ class RefitSender(Endpoint):
         self._checks = []
         error: BaseException | None = None
         pending: dict[tuple[int, int], list] = {}  # (need-set, slot) -> works in flight
+        replayed: list = []  # frames sent by graph replay whose slots were reused since
         held: dict[tuple[int, int], torch.Tensor | None] = {}
         table = self.header_table(version, routes)
         # A failed collective kills the refit group; this rank then stops using it but still
@@ -162,14 +165,18 @@ class RefitSender(Endpoint):
                     error, it = error or e, None
                 stats.produce_s += time.perf_counter() - t1
             for key in self._slots(bucket, routes[bucket.index]):
-                dead = dead or self._settle(pending.pop(key, []), stats)
+                works = pending.pop(key, [])
+                if works and all(isinstance(work, ReplayWork) for work, _ in works):
+                    replayed += works  # ordered before the slot's next use: waited at the end
+                else:
+                    dead = dead or self._settle(works, stats)
                 held.pop(key, None)
             if dead is None:
                 error, dead = self._send_frames((bucket, version, tensors, ptrs),
                                                 routes[bucket.index], modes, table,
                                                 pending, held, error, stats)
             del tensors, ptrs  # the source's copies go before the next bucket is gathered
-        for works in pending.values():
+        for works in [replayed, *pending.values()]:
             dead = dead or self._settle(works, stats)
         stats.send_s = time.perf_counter() - t0
         if dead is not None:
