@@ -76,10 +76,7 @@ def fill_bucket(layout, got: list, inner_at: np.ndarray, scales: dict, flags: Fi
     for t, n in a.carried_out:
         later[t] = scales[n] = torch.empty(fmt.scale_shape(targets[t][1].shape),
                                            dtype=torch.float32, device=device)
-    ptrs = np.zeros(len(layout.names), np.int64)
-    ptrs[a.inner_pos] = inner_at
-    for (k, _), c in zip(a.carried_in, carried, strict=True):
-        ptrs[k] = c.data_ptr()
+    ptrs = bucket_addresses(layout, inner_at, carried)
     groups = [list(g) for g in layout.groups]
     order = np.fromiter((t for g in groups for t in g), np.int64)
     x_at = inner_at[a.target_inner][order]
@@ -102,19 +99,36 @@ def fill_bucket(layout, got: list, inner_at: np.ndarray, scales: dict, flags: Fi
                 raise ValueError(result)  # names the tensor
         for t, s in later.items():
             s.copy_(results[t][1])
-        out: list = [None] * len(layout.names)
-        for k, (_, tensor) in zip(layout.inner, got, strict=True):
-            out[k] = tensor
-        for k, (q, _) in zip(a.target_pos.tolist(), results, strict=True):
-            out[k] = q
-        for k, t in zip(a.scale_pos.tolist(), a.scale_target.tolist(), strict=True):
-            out[k] = results[t][1]
-        for (k, _), c in zip(a.carried_in, carried, strict=True):
-            out[k] = c
-        return out
+        return bucket_tensors(layout, got, results, carried)
 
     return PreparedBucket(layout.names, ptrs, views, device, (got, carried, later), fill,
                           np.concatenate([a.target_pos, a.scale_pos]))
+
+
+def bucket_addresses(layout, inner_at: np.ndarray, carried: list) -> np.ndarray:
+    """A bucket's addresses by slot: its inner tensors' (`inner_at`) and the scales carried
+    from earlier buckets'; 0 in the targets' and their scales' slots (the caller's)."""
+    a = layout.addressing
+    ptrs = np.zeros(len(layout.names), np.int64)
+    ptrs[a.inner_pos] = inner_at
+    for (k, _), c in zip(a.carried_in, carried, strict=True):
+        ptrs[k] = c.data_ptr()
+    return ptrs
+
+
+def bucket_tensors(layout, got: list, results: list, carried: list) -> list[torch.Tensor]:
+    """A bucket's tensors by slot: its inner items (`got`), each target's (e4m3, scales)
+    from `results`, the scales carried from earlier buckets."""
+    a, out = layout.addressing, [None] * len(layout.names)
+    for k, (_, tensor) in zip(layout.inner, got, strict=True):
+        out[k] = tensor
+    for k, (q, _) in zip(a.target_pos.tolist(), results, strict=True):
+        out[k] = q
+    for k, t in zip(a.scale_pos.tolist(), a.scale_target.tolist(), strict=True):
+        out[k] = results[t][1]
+    for (k, _), c in zip(a.carried_in, carried, strict=True):
+        out[k] = c
+    return out
 
 
 def _why(names: list[str], marked: int | None) -> str | None:

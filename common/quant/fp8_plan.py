@@ -28,7 +28,13 @@ from common.errors import FormatMismatchError
 from common.kernels import native
 from common.plan import RefitPlan, TensorSpec
 from common.quant.fp8_blocks import BlockFp8Format, Fp8Batch, start_batch
-from common.quant.fp8_fill import FillFlags, fill_bucket, fillable
+from common.quant.fp8_fill import (
+    FillFlags,
+    bucket_addresses,
+    bucket_tensors,
+    fill_bucket,
+    fillable,
+)
 from common.source import MappingItems, PreparedBucket, RefusedTensor, WeightSource
 
 SCALE_SUFFIX = "_scale_inv"
@@ -367,24 +373,12 @@ def _prepared(layout: _BucketLayout, got: list, batch: Fp8Batch, inner: np.ndarr
         del scales[n]
     for t, n in a.carried_out:
         scales[n] = batch.scale(t)
-    ptrs = np.empty(len(layout.names), np.int64)
-    ptrs[a.inner_pos] = inner
+    ptrs = bucket_addresses(layout, inner, carried)
     ptrs[a.target_pos] = q_at
     ptrs[a.scale_pos] = s_at[a.scale_target]
-    for (k, _), c in zip(a.carried_in, carried, strict=True):
-        ptrs[k] = c.data_ptr()
 
     def views() -> list[torch.Tensor]:
-        out, results = [None] * len(layout.names), batch.results()
-        for k, (_, tensor) in zip(layout.inner, got, strict=True):
-            out[k] = tensor
-        for k, (q, _) in zip(a.target_pos.tolist(), results, strict=True):
-            out[k] = q
-        for k, t in zip(a.scale_pos.tolist(), a.scale_target.tolist(), strict=True):
-            out[k] = results[t][1]
-        for (k, _), c in zip(a.carried_in, carried, strict=True):
-            out[k] = c
-        return out
+        return bucket_tensors(layout, got, batch.results(), carried)
 
     return PreparedBucket(layout.names, ptrs, views, got[a.target_inner[0]][1].device,
                           (batch.buffers(), got, carried))
