@@ -84,14 +84,12 @@ MEMORY_GB = {"h100": 80, "h200": 141}  # the same datasheets
 
 
 def assumed_at_scale() -> dict[str, Figure]:
-    """What no run here measured: multi-node NCCL, fp8."""
+    """What no run here measured: multi-node NCCL."""
     return {f.name: f for f in (
         assumed("ib_efficiency", (0.9, 0.8, 0.6), "of NIC line rate",
                 "NCCL over NDR InfiniBand; no multi-node run here"),
         assumed("collective_latency_s", (10e-6, 30e-6, 100e-6), "s per collective",
                 "NCCL launch + ring latency per frame"),
-        assumed("quantize_over_copy", (1.0, 1.5, 3.0), "x one copy",
-                "bf16 -> fp8 block quantization on the sender (not implemented here)"),
         assumed("device_rate_h100", (0.70, 0.70, 0.70), "x the H200's rate",
                 "memory-bound kernels scale with HBM bandwidth, 3.35 / 4.8"),
         assumed("shard_concurrency", (1.0, 1.0, 0.125), "of the node's rails",

@@ -77,6 +77,7 @@ class Options:
     interleave: bool = False  # buckets in turn by sender, not in plan order (`interleave`)
 
 
+FP8_RUN = "fp8_h100_run3"  # bench/fp8_bench.py's latest run
 # The host's pace between lends: 2.2x per tensor between the calibration lend and another
 # lend's sweep (issue 37: one H200, same code). Best and expected are the lends measured here.
 LEND_SPREAD = 2.2
@@ -125,8 +126,20 @@ def figures() -> dict[str, Figure]:
                  same(shard["tp2_received_fraction"] / shard["tp2_floor_fraction"]),
                  "x the floor", "need-set bytes over what a worker's map reads"),
         *cuda_engine_figures(),
+        quantize_figure(),
     )}
     return out | assumed_at_scale()
+
+
+def quantize_figure() -> Figure:
+    """The FP8 quantize's cost on the sender: an FP8 refit's time less the bf16 refit's of the
+    same list (its pack), in copies of the list's bf16 bytes; none below zero."""
+    runs = [v for v in load(FP8_RUN).values() if isinstance(v, dict) and "fp8_refit_s" in v]
+    extra = [max(0.0, (r["fp8_refit_s"] - r["bf16_refit_s"]) / r["copy_s"]) for r in runs]
+    return measured("quantize_over_copy", FP8_RUN, (min(extra), max(extra),
+                                                    max(extra) * LEND_SPREAD), "x one copy",
+                    "an FP8 refit less the bf16 refit of the same list, one GPU "
+                    f"(best / expected: the two lists; worst: {LEND_SPREAD}x)")
 
 
 CUDA_ENGINE_RUN = "cuda_engine_h100_run3"  # the newest `bench/cuda_engine_bench.py` run
