@@ -15,6 +15,7 @@ the scale's correctly rounded reciprocal and rounded to nearest into e4m3 (satur
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import numpy as np
 import torch
@@ -40,17 +41,19 @@ if triton is not None:
     _IN = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
     @triton.jit
-    def _quantize_blocks(addrs, count, marks, m, n, stride_m, stride_n, blocks_n, inv_max,
-                         IN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         UE8M0: tl.constexpr, ALIGN: tl.constexpr, Q_ALIGN: tl.constexpr):
-        # program (t, i, j): block (i, j) of tensor t; `addrs` holds every tensor's input,
-        # e4m3 output and scales' addresses (three runs of `count`), the inputs a multiple of
-        # ALIGN bytes and the outputs of Q_ALIGN (an address loaded from memory otherwise
-        # leaves Triton assuming one element's alignment, and no wide accesses)
+    def _quantize_blocks(addrs, count, marks, q_base, s_base, m, n, stride_m, stride_n,
+                         blocks_n, inv_max, IN: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, UE8M0: tl.constexpr, ALIGN: tl.constexpr,
+                         Q_ALIGN: tl.constexpr):
+        # program (t, i, j): block (i, j) of tensor t; `addrs` holds every tensor's input
+        # address (a multiple of ALIGN bytes), then its e4m3 values' offset from `q_base` (a
+        # multiple of Q_ALIGN), then its scales' from `s_base`, in elements. The outputs go
+        # through pointer arguments plus offsets: a pointer loaded from memory leaves Triton
+        # no alignment to prove, and byte-wide fp8 stores run several times slower.
         t, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         x = tl.multiple_of(tl.load(addrs + t), ALIGN).to(tl.pointer_type(IN))
-        q = tl.multiple_of(tl.load(addrs + count + t), Q_ALIGN).to(tl.pointer_type(tl.float8e4nv))
-        s = tl.load(addrs + 2 * count + t).to(tl.pointer_type(tl.float32))
+        q = q_base + tl.multiple_of(tl.load(addrs + count + t), Q_ALIGN)
+        s = s_base + tl.load(addrs + 2 * count + t)
         rows = pid_m * BM + tl.arange(0, BM)[:, None]
         cols = pid_n * BN + tl.arange(0, BN)[None, :]
         mask = (rows < m) & (cols < n)
@@ -89,18 +92,48 @@ def upload(table: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+class Base:
+    """A device address as a kernel's pointer argument of `dtype` (Triton takes any object
+    with `data_ptr()` and `dtype`)."""
+
+    def __init__(self, address: int, dtype: torch.dtype) -> None:
+        self.address, self.dtype = address, dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def _pointer(address: int, dtype: torch.dtype, device: torch.device) -> Base | torch.Tensor:
+    if device.type == "cuda":
+        return Base(address, dtype)
+    # Triton's interpreter (CPU tensors) takes tensors only: 16 bytes at the address
+    raw = (ctypes.c_char * 16).from_address(address)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
+
+
+def offsets(at: np.ndarray, itemsize: int) -> tuple[int, np.ndarray]:
+    """Addresses `at` as a 16-byte aligned base address and offsets from it in elements of
+    `itemsize` bytes (the addresses must be multiples of it)."""
+    base = int(at.min()) & ~15 if len(at) else 0
+    return base, (at - base) // itemsize
+
+
 def launch(addrs: torch.Tensor, count: int, aligns: tuple[int, int], like: torch.Tensor,
-           block: tuple[int, int], ue8m0: bool, marks: torch.Tensor) -> None:
+           block: tuple[int, int], ue8m0: bool, marks: torch.Tensor,
+           bases: tuple[int, int]) -> None:
     """Quantize `count` tensors (each of `like`'s shape, strides and dtype; their input
-    addresses a multiple of `aligns[0]` bytes) into contiguous e4m3 values (at multiples of
-    `aligns[1]`) and float32 scale_inv blocks [blocks_m, blocks_n]. `addrs`: on the device,
-    the inputs' addresses, then the values', then the scales' (a slice of a larger upload).
+    addresses a multiple of `aligns[0]` bytes) into contiguous e4m3 values and float32
+    scale_inv blocks [blocks_m, blocks_n]. `addrs`: on the device, the inputs' addresses,
+    then the values' offsets from `bases[0]` (multiples of `aligns[1]`), then the scales'
+    from `bases[1]` in float32 elements (`offsets`; a slice of a larger upload).
     `marks`: on the device, two int64 words' addresses, a base and a value: a tensor with a
     non-finite block writes base + its index into the first, value into the second (and its
     scales hold NaN or inf)."""
     (m, n), (bm, bn) = like.shape, block
     blocks = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    args = (addrs, count, marks, m, n, like.stride(0), like.stride(1), blocks[1], _INV_FP8_MAX)
+    args = (addrs, count, marks, _pointer(bases[0], torch.float8_e4m3fn, like.device),
+            _pointer(bases[1], torch.float32, like.device), m, n, like.stride(0),
+            like.stride(1), blocks[1], _INV_FP8_MAX)
     consts = dict(IN=_IN[like.dtype], BM=bm, BN=bn, UE8M0=ue8m0, ALIGN=aligns[0],
                   Q_ALIGN=aligns[1], num_warps=8)
     # CPU tensors: Triton's interpreter (TRITON_INTERPRET=1), for tests without a GPU
@@ -116,10 +149,9 @@ def quantize(x: torch.Tensor, block: tuple[int, int],
     q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((triton.cdiv(m, bm), triton.cdiv(n, bn)), dtype=torch.float32,
                     device=x.device)
-    ptrs = np.array([x.data_ptr(), q.data_ptr(), s.data_ptr()], dtype=np.int64)
     scratch = torch.zeros(1, dtype=torch.int64, device=x.device)  # its marks, unread
     marks = np.array([scratch.data_ptr()] * 2 + [1, 1], dtype=np.int64)
-    table = upload(np.concatenate([ptrs, marks]), x.device)
-    launch(table[:3], 1, (alignment(ptrs[:1]), alignment(ptrs[1:2])), x, block, ue8m0,
-           table[3:])
+    table = upload(np.concatenate([[x.data_ptr(), 0, 0], marks]), x.device)
+    launch(table[:3], 1, (alignment(np.array([x.data_ptr()])), 16), x, block, ue8m0,
+           table[3:], (q.data_ptr(), s.data_ptr()))
     return q, s
