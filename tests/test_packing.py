@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from common.config import RefitConfig
+from common.kernels import native
 from common.packing import BucketLayout, first_differing, pack, unpack
 from common.plan import RefitPlan, TensorSpec
+from common.source import PreparedBucket
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -145,3 +147,42 @@ def test_kernel_tables_split_the_addresses_per_kernel_and_refuse_a_misaligned_so
         (wide, [4096, 4112, 8192], 4096 | 4112 | 8192), (narrow, [4098], 4098)]
     assert kernel_tables([(None, wide)], ptrs) is None  # 4098 is not 8-byte aligned
     assert kernel_tables([(None, narrow)], ptrs)[0][2] == int(np.bitwise_or.reduce(ptrs))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fill_lets_the_source_write_its_slots_and_copies_the_rest(device: str) -> None:
+    """`BucketLayout.fill`: the source's fill gets every slot's address and the mark, writes
+    the slots it names; the layout copies the others from `ptrs` (the native loop on CPU, the
+    pack kernel on CUDA). A layout with a misaligned slot declines (None): the caller packs."""
+    if device == "cpu" and native.load() is None:
+        pytest.skip("no native module")
+    tensors = {n: t.contiguous() for n, t in mixed(device).items()
+               if n not in ("neg_view", "empty")}
+    specs = [TensorSpec.of(n, t) for n, t in tensors.items()]
+    plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=1 << 20))
+    (bucket,) = plan.buckets
+    buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=device)
+    layout = BucketLayout(buf, plan.bucket_specs(bucket), bucket.offsets)
+    values = list(tensors.values())
+    filled, seen = np.array([0, 3], dtype=np.int64), []
+
+    def fill(slots: np.ndarray, mark: tuple[int, int]):
+        seen.append((slots.copy(), mark))
+        for k in filled.tolist():  # as a kernel would: straight into the slot
+            n = values[k].nbytes
+            buf[bucket.offsets[k]:bucket.offsets[k] + n].copy_(bits(values[k]))
+        return lambda: None
+
+    ptrs = np.array([t.data_ptr() for t in values], dtype=np.int64)
+    ptrs[filled] = 0  # the filled slots' addresses are the source's business
+    prepared = PreparedBucket(tuple(tensors), ptrs, lambda: values, buf.device, (), fill, filled)
+    check = layout.fill(prepared, (1234, 3))
+    assert check is not None and check() is None
+    (slots, mark), = seen
+    assert mark == (1234, 3) and slots.tolist() == [buf.data_ptr() + o for o in bucket.offsets]
+    for (name, view), want in zip(layout.unpack(), values, strict=True):
+        assert torch.equal(bits(view), bits(want)), name
+    odd = RefitPlan.build(specs, RefitConfig(bucket_bytes=1 << 20, alignment=1)).buckets[0]
+    misaligned = BucketLayout(torch.zeros(odd.nbytes, dtype=torch.uint8, device=device),
+                              plan.bucket_specs(bucket), odd.offsets)
+    assert misaligned.misaligned and misaligned.fill(prepared, (1234, 3)) is None
