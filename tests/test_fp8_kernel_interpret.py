@@ -42,7 +42,8 @@ def exact(shape: tuple[int, int], block: tuple[int, int], seed: int,
 def check_batch(block: tuple[int, int], ue8m0: bool) -> int:
     """One batch through the kernel, every result against the torch path; the launches."""
     from common.kernels import fp8_kernel
-    from common.quant.fp8_blocks import BlockFp8Format, _quantize_in_chunks, quantize_batch
+    from common.quant.fp8_batch import quantize_batch
+    from common.quant.fp8_blocks import BlockFp8Format, _quantize_in_chunks
 
     fmt = BlockFp8Format(block, ue8m0=ue8m0)
     xs = [exact((200, 300), block, i) for i in range(3)] + [exact((128, 128), block, 7)]
@@ -156,7 +157,8 @@ def check_scale_alignment() -> int:
     """Each launch's scales start 16-byte aligned in the batch's scale buffer (the pack kernel
     copies 16-byte words from such sources), whatever the groups before it hold."""
     from common.kernels import fp8_kernel
-    from common.quant.fp8_blocks import BlockFp8Format, start_batch
+    from common.quant.fp8_batch import start_batch
+    from common.quant.fp8_blocks import BlockFp8Format
 
     fmt, available = BlockFp8Format(), fp8_kernel.available
     named = [(f"w{i}", exact(shape, fmt.block, i))  # 6 scales, 1 scale, 6 scales

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from common.kernels import fp8_kernel
-from common.quant.fp8_blocks import BlockFp8Format, _quantize_in_chunks, quantize, quantize_batch
+from common.quant.fp8_batch import quantize_batch
+from common.quant.fp8_blocks import BlockFp8Format, _quantize_in_chunks, quantize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SHAPES = [(128, 128), (256, 384), (1, 1), (1, 300), (300, 1), (129, 257), (1000, 130),

@@ -23,13 +23,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from common.quant.fp8_blocks import (
-    BlockFp8Format,
-    launch_into,
-    launchable,
-    marked_tensor,
-    quantize_batch,
-)
+from common.quant.fp8_batch import launch_into, launchable, marked_tensor, quantize_batch
+from common.quant.fp8_blocks import BlockFp8Format
 from common.source import PreparedBucket
 
 

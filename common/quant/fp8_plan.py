@@ -27,7 +27,8 @@ from common.checkpoint import checkpoint_tensors
 from common.errors import FormatMismatchError
 from common.kernels import native
 from common.plan import RefitPlan, TensorSpec
-from common.quant.fp8_blocks import BlockFp8Format, Fp8Batch, start_batch
+from common.quant.fp8_batch import Fp8Batch, start_batch
+from common.quant.fp8_blocks import BlockFp8Format
 from common.quant.fp8_fill import (
     FillFlags,
     bucket_addresses,
