@@ -174,28 +174,19 @@ class BucketLayout:
              mark: tuple[int, int]) -> Callable[[], str | None] | None:
         """Let `prepared` write its `filled` slots itself (`PreparedBucket.fill`, given the
         slots' addresses and `mark`: the frame header's status word and the value that says
-        its bytes are wrong) and copy the others from
-        `prepared.ptrs` (the pack kernel on CUDA, the native memcpy loop on CPU); its check,
-        or None where this layout cannot (a misaligned slot, no kernel or native module, a
-        source not aligned to its copy unit): pack its tensors instead."""
-        key = prepared.filled.tobytes()
-        if (others := self._others.get(key)) is None:
-            rest = np.setdiff1d(np.arange(len(self.specs)), prepared.filled)
-            rest = rest[[self.specs[i].nbytes > 0 for i in rest.tolist()]]
-            kernels = self._kernels(self.buffer.data_ptr(), rest.tolist()) if self.kernels \
-                else []
-            sizes = np.array([self.specs[i].nbytes for i in rest.tolist()], dtype=np.int64)
-            others = self._others[key] = (rest, kernels, sizes)
-        rest, kernels, sizes = others
-        slots = self.buffer.data_ptr() + self._offsets
+        its bytes are wrong) and copy the others from `prepared.ptrs` (the pack kernel on
+        CUDA, the native memcpy loop on CPU); its check, or None where this layout cannot (a
+        misaligned slot, no kernel or native module, a source not aligned to its copy unit):
+        pack its tensors instead."""
         if self.misaligned:
             return None
+        rest, kernels, sizes = self._other_slots(prepared.filled)
+        slots = self.buffer.data_ptr() + self._offsets
         if self.device_index < 0:
             if (module := native.load()) is None:
                 return None
             check = prepared.fill(slots, mark)
-            module.copy_bytes(*(torch.from_numpy(a) for a in (prepared.ptrs[rest], slots[rest],
-                                                               sizes)))
+            module.copy_bytes(*map(torch.from_numpy, (prepared.ptrs[rest], slots[rest], sizes)))
             return check
         if not self.kernels or (tables := kernel_tables(kernels, prepared.ptrs)) is None:
             return None
@@ -203,6 +194,19 @@ class BucketLayout:
         for kernel, table, bits in tables:
             kernel.run(table, bits)
         return check
+
+    def _other_slots(self, filled: np.ndarray) -> tuple[np.ndarray, list, np.ndarray]:
+        """The non-empty slots not in `filled`, their pack kernels (CUDA) and sizes, made
+        once per set of filled slots."""
+        key = filled.tobytes()
+        if (known := self._others.get(key)) is None:
+            rest = np.setdiff1d(np.arange(len(self.specs)), filled)
+            rest = rest[[self.specs[i].nbytes > 0 for i in rest.tolist()]]
+            kernels = self._kernels(self.buffer.data_ptr(), rest.tolist()) if self.kernels \
+                else []
+            sizes = np.array([self.specs[i].nbytes for i in rest.tolist()], dtype=np.int64)
+            known = self._others[key] = (rest, kernels, sizes)
+        return known
 
     def warm(self) -> None:
         """Compile and capture this bucket's pack kernels (CUDA) before the first refit needs
