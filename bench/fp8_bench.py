@@ -7,8 +7,10 @@ and DeepSeek-V3 checkpoints quantize their linear layers), checked and packed in
 buckets. Lists: the synthetic 20,000-tensor MoE list (each tensor 2-D) and the Qwen3-30B-A3B-
 shaped list (scale 0.5 on a GPU). The last line is one JSON object: `quantize_pack_over_copy`
 (the worse list: an FP8 refit over one device copy of the bf16 bytes; target <= 1.5),
-`wire_fraction_fp8` (the FP8 plan's bytes over the bf16 plan's), and per list the bf16 refit
-over the same copy.
+`wire_fraction_fp8` (the FP8 plan's bytes over the bf16 plan's), `quantize_alone_over_copy`
+(the worse list's quantize kernels alone, into buffers of their own: what the refit's frames
+add to it is the fill's share and the rest's pack), and per list the bf16 refit over the same
+copy.
 
     python3 bench/fp8_bench.py --out bench/results/fp8_h200.json             # one GPU
     python3 bench/fp8_bench.py --profile 30      # + where one FP8 refit's host time goes
@@ -32,6 +34,7 @@ from sender_sweep import copy_seconds
 
 from common.config import RefitConfig
 from common.plan import RefitPlan
+from common.quant.fp8_batch import start_batch
 from common.quant.fp8_blocks import BlockFp8Format
 from common.quant.fp8_plan import Fp8Source, Fp8Targets
 from common.source import DictWeightSource
@@ -59,6 +62,17 @@ def refit_seconds(group: RefitGroup, source, config: RefitConfig,
     return statistics.median(times), plan
 
 
+def quantize_seconds(tensors: dict, targets: Fp8Targets, plan: RefitPlan,
+                     args: argparse.Namespace, device: torch.device) -> float:
+    """Median seconds of the quantize alone: every FP8 target into buffers of its own, one
+    batch per bucket of the FP8 plan (the refit's launches, no frame, no pack)."""
+    batches = [named for bucket in plan.buckets
+               if (named := [(s.name, tensors[s.name]) for s in plan.bucket_specs(bucket)
+                             if s.name in targets.names])]
+    return statistics.median(timed(lambda: [start_batch(n, targets.fmt) for n in batches],
+                                   args, device))
+
+
 def measure_list(group: RefitGroup, name: str, shapes: Shapes,
                  args: argparse.Namespace) -> dict[str, Any]:
     device = group.device
@@ -73,12 +87,14 @@ def measure_list(group: RefitGroup, name: str, shapes: Shapes,
     bf16_s, bf16_plan = refit_seconds(group, bf16, config, args)
     fp8 = Fp8Source(bf16, targets)
     fp8_s, fp8_plan = refit_seconds(group, fp8, config, args)
+    quantize_s = quantize_seconds(tensors, targets, fp8_plan, args, device)
     sync(device)
     bf16_bytes, fp8_bytes = bf16_plan.total_bytes, fp8_plan.total_bytes
     return {"tensors": len(shapes), "fp8_tensors": len(targets.names), "bf16_bytes": bf16_bytes,
             "fp8_bytes": fp8_bytes, "copy_s": round(copy_s, 6), "bf16_refit_s": round(bf16_s, 6),
             "fp8_refit_s": round(fp8_s, 6), "fp8_over_copy": round(fp8_s / copy_s, 3),
-            "bf16_over_copy": round(bf16_s / copy_s, 3),
+            "bf16_over_copy": round(bf16_s / copy_s, 3), "quantize_s": round(quantize_s, 6),
+            "quantize_over_copy": round(quantize_s / copy_s, 3),
             "wire_fraction": round(fp8_bytes / bf16_bytes, 4),
             "buckets_by_address": f"{fp8.by_address} of {len(fp8_plan.buckets)}"}
 
@@ -107,6 +123,7 @@ def main() -> int:
     runs = [v for k, v in report.items() if k != "hardware"]
     summary = {"quantize_pack_over_copy": max(r["fp8_over_copy"] for r in runs),
                "wire_fraction_fp8": max(r["wire_fraction"] for r in runs),
+               "quantize_alone_over_copy": max(r["quantize_over_copy"] for r in runs),
                **{f"bf16_refit_over_copy_{k}": v["bf16_over_copy"]
                   for k, v in report.items() if k != "hardware"}}
     finish(report, summary, args.out)
