@@ -16,9 +16,9 @@ import torch
 
 from common.kernels import fp8_kernel
 from common.quant.fp8_blocks import (
-    _INPUT_DTYPES,
+    INPUT_DTYPES,
     BlockFp8Format,
-    _nonfinite_summary,
+    nonfinite_summary,
     quantize,
 )
 
@@ -122,7 +122,7 @@ class Fp8Batch:
                     for i, good in zip(idx, bad, strict=True):
                         if not good:
                             name, x = self._named[i]
-                            self._out[i] = (f"{name}: {_nonfinite_summary(x, 1 << 16)}; "
+                            self._out[i] = (f"{name}: {nonfinite_summary(x, 1 << 16)}; "
                                             "cannot quantize to FP8")
             self._done = []
         return self._out
@@ -172,7 +172,7 @@ def _kernel_groups(named: list, groups: Sequence[Sequence[int]],
 
 def launchable(x: torch.Tensor, fmt: BlockFp8Format) -> bool:
     """Whether the CUDA kernel quantizes `x` (2-D, bf16 / fp16 / fp32, on a GPU)."""
-    return x.dim() == 2 and x.dtype in _INPUT_DTYPES and fp8_kernel.available(x, fmt.block)
+    return x.dim() == 2 and x.dtype in INPUT_DTYPES and fp8_kernel.available(x, fmt.block)
 
 
 def _uniform(xs: list) -> bool:

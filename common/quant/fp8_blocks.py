@@ -21,7 +21,7 @@ import torch
 
 from common.kernels import fp8_kernel
 
-_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def quantize(name: str, x: torch.Tensor, fmt: BlockFp8Format, *,
     NaN / inf values (after the pass: a block's scale is non-finite exactly then)."""
     if x.dim() != 2:
         raise ValueError(f"{name}: block FP8 quantizes 2-D weights, got shape {tuple(x.shape)}")
-    if x.dtype not in _INPUT_DTYPES:
+    if x.dtype not in INPUT_DTYPES:
         raise ValueError(f"{name}: block FP8 quantizes bf16, fp16 or fp32, got {x.dtype}")
     if fp8_kernel.available(x, fmt.block):
         q, s = fp8_kernel.quantize(x, fmt.block, fmt.ue8m0)
@@ -124,7 +124,7 @@ def quantize(name: str, x: torch.Tensor, fmt: BlockFp8Format, *,
         q, s = _quantize_in_chunks(x, fmt, chunk_elems)
     if not bool(torch.isfinite(s).all()):
         step = max(1, chunk_elems // (fmt.block[0] * max(x.size(1), 1))) * fmt.block[0]
-        raise ValueError(f"{name}: {_nonfinite_summary(x, step)}; cannot quantize to FP8")
+        raise ValueError(f"{name}: {nonfinite_summary(x, step)}; cannot quantize to FP8")
     return q, s
 
 
@@ -147,7 +147,7 @@ def _quantize_in_chunks(x: torch.Tensor, fmt: BlockFp8Format,
     return q, s
 
 
-def _nonfinite_summary(x: torch.Tensor, step: int) -> str:
+def nonfinite_summary(x: torch.Tensor, step: int) -> str:
     """How many NaN and inf values `x` holds and where the first is, in bounded row chunks."""
     nans = infs = 0
     first = None
