@@ -1,14 +1,15 @@
 """The Triton block-FP8 kernel on a machine without a GPU: Triton's interpreter
 (`TRITON_INTERPRET=1`, in a child process: it is read when the kernel is defined) runs the
-real kernel on CPU tensors, through the batch path the FP8 source uses (`quantize_batch` with
-a plan's groups: one launch per shape, every scale in one buffer, one finite check; the
-addresses from the native bucket scan).
+real kernel on CPU tensors, through the paths the FP8 source uses: the batch into buffers of
+its own (`quantize_batch` with a plan's groups: one launch per shape, every scale in one
+buffer, one flag; the addresses from the native bucket scan) and the fill straight into frames
+laid out as the plan's buckets (`fp8_fill`: a NaN marks the frame's status word).
 
 The interpreter's float-to-e4m3 cast does not round like the GPU's, so the data are exact:
 each block is a power of two times e4m3 values, with 448 in it (its scale is then exactly that
 power of two and every value divides exactly). What this checks is the addressing: tensors by
 address table, partial blocks, strides, scale views into a shared buffer, groups split where
-the plan's guess is wrong, a NaN refused by name. Bit-for-bit rounding is the H200's test
+the plan's guess is wrong, outputs at frame slots, a NaN refused or marked, by name. Bit-for-bit rounding is the H200's test
 (`tests/test_gpu_fp8.py`), as are UE8M0 scales (libdevice, which the interpreter lacks).
 """
 
