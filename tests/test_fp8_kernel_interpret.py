@@ -9,8 +9,9 @@ The interpreter's float-to-e4m3 cast does not round like the GPU's, so the data 
 each block is a power of two times e4m3 values, with 448 in it (its scale is then exactly that
 power of two and every value divides exactly). What this checks is the addressing: tensors by
 address table, partial blocks, strides, scale views into a shared buffer, groups split where
-the plan's guess is wrong, outputs at frame slots, a NaN refused or marked, by name. Bit-for-bit rounding is the H200's test
-(`tests/test_gpu_fp8.py`), as are UE8M0 scales (libdevice, which the interpreter lacks).
+the plan's guess is wrong, outputs at frame slots, a NaN refused or marked, by name.
+Bit-for-bit rounding is the H200's test (`tests/test_gpu_fp8.py`), as are UE8M0 scales
+(libdevice, which the interpreter lacks).
 """
 
 from __future__ import annotations
