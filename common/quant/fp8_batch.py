@@ -54,7 +54,9 @@ def start_batch(named: list[tuple[str, torch.Tensor | None]], fmt: BlockFp8Forma
         addresses = None
         groups = _kernel_groups(named, groups if groups is not None else [range(len(named))],
                                 fmt)
-    done, finite = _launch_groups(named, groups, fmt, addresses) if groups else ([], None)
+    done, finite, at = (_launch_groups(named, groups, fmt, addresses) if groups else
+                        ([], None, (np.empty(len(named), np.int64),
+                                    np.empty(len(named), np.int64))))
     rest = [] if sum(map(len, groups)) == len(named) else sorted(  # the groups are disjoint
         set(range(len(named))) - set(itertools.chain.from_iterable(groups)))
     for i in rest:
@@ -64,7 +66,7 @@ def start_batch(named: list[tuple[str, torch.Tensor | None]], fmt: BlockFp8Forma
                 out[i] = quantize(name, x, fmt)
             except ValueError as e:
                 out[i] = str(e)
-    return Fp8Batch(named, out, done, finite)
+    return Fp8Batch(named, out, done, finite, at)
 
 
 class Fp8Batch:
@@ -72,20 +74,17 @@ class Fp8Batch:
     one-byte non-finite flag already copied to the host) and gives, per tensor, what
     `quantize` would: (e4m3, scale_inv), why not (naming it), or None (not held here)."""
 
-    def __init__(self, named: list, out: list, done: list, finite: _FiniteFlag | None) -> None:
+    def __init__(self, named: list, out: list, done: list, finite: _FiniteFlag | None,
+                 at: tuple[np.ndarray, np.ndarray]) -> None:
         self._named, self._out, self._done, self._finite = named, out, done, finite
+        self._at = at  # the launched tensors' e4m3 and scale addresses, by position
 
     def addresses(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Every tensor's e4m3 values' and scales' addresses (in the batch's order) when all
         were quantized (held here, every scale finite; waits for the launches): a bucket can
         go to the sender by address, no tensor per weight. None otherwise (`results` says
         why). Call before `results`."""
-        n = len(self._named)
-        q_at, s_at = np.empty(n, np.int64), np.empty(n, np.int64)
-        for idx, q, s in self._done:
-            at, step = np.array(idx, np.int64), np.arange(len(idx), dtype=np.int64)
-            q_at[at] = q.data_ptr() + step * (q.numel() // len(idx)) * q.element_size()
-            s_at[at] = s.data_ptr() + step * (s.numel() // len(idx)) * s.element_size()
+        n, (q_at, s_at) = len(self._named), self._at
         if self._done and not self._finite.value():
             return None
         if sum(len(idx) for idx, _, _ in self._done) < n:  # some one by one (no kernel)
@@ -193,11 +192,12 @@ def _by_key(named: list, idx: Sequence[int]) -> list[list[int]]:
 
 
 def _launch_groups(named: list, groups: list[list[int]], fmt: BlockFp8Format,
-                   addresses: np.ndarray | None) -> tuple[list, _FiniteFlag]:
+                   addresses: np.ndarray | None,
+                   ) -> tuple[list, _FiniteFlag, tuple[np.ndarray, np.ndarray]]:
     """One launch per group into buffers of its own, every scale in one buffer, one flag for
-    all that a non-finite block sets: (positions, e4m3 values, scales) per group, and the
-    flag. Each group's scales start 16 bytes aligned (the pack kernel copies 16-byte words
-    from such sources)."""
+    all that a non-finite block sets: (positions, e4m3 values, scales) per group, the flag,
+    and the e4m3 values' and scales' addresses by position. Each group's scales start 16
+    bytes aligned (the pack kernel copies 16-byte words from such sources)."""
     device = named[groups[0][0]][1].device
     order = np.fromiter(itertools.chain.from_iterable(groups), np.int64)
     blocks = [fmt.scale_shape(named[idx[0]][1].shape) for idx in groups]
@@ -219,7 +219,7 @@ def _launch_groups(named: list, groups: list[list[int]], fmt: BlockFp8Format,
         (named[i][1].data_ptr() for i in order.tolist()), np.int64, len(order))
     launch_into(named, groups, fmt, (x_at, q_at[order], s_at[order]),
                 (flag.data_ptr(), flag.data_ptr(), 1))
-    return done, _FiniteFlag(flag)
+    return done, _FiniteFlag(flag), (q_at, s_at)
 
 
 def launch_into(named: list, groups: list[list[int]], fmt: BlockFp8Format,
