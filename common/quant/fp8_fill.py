@@ -53,19 +53,19 @@ def fillable(targets: list[tuple[str, torch.Tensor]], groups, fmt: BlockFp8Forma
     return bool(targets) and all(launchable(targets[g[0]][1], fmt) for g in groups)
 
 
-def fill_bucket(layout, got: list, inner_at: np.ndarray, scales: dict, flags: FillFlags,
-                bucket: int, fmt: BlockFp8Format) -> PreparedBucket | None:
-    """The bucket (`layout`: its `_BucketLayout`; `got`: its inner items, `inner_at` their
-    addresses) as a `PreparedBucket` the sender fills; None when a scale of an earlier
-    bucket's target is not a tensor (its items then say why). Takes that bucket's scales out
-    of `scales` and puts this one's later scales (tensors the fill writes) in."""
+def fill_bucket(layout, got: list, targets: list, inner_at: np.ndarray, scales: dict,
+                flags: FillFlags, bucket: int, fmt: BlockFp8Format) -> PreparedBucket | None:
+    """The bucket (`layout`: its `_BucketLayout`; `got`: its inner items, `targets` the FP8
+    ones among them, `inner_at` their addresses) as a `PreparedBucket` the sender fills; None
+    when a scale of an earlier bucket's target is not a tensor (its items then say why).
+    Takes that bucket's scales out of `scales` and puts this one's later scales (tensors the
+    fill writes) in."""
     a = layout.addressing
     carried = [scales.get(n) for _, n in a.carried_in]
     if not all(isinstance(c, torch.Tensor) for c in carried):
         return None
     for _, n in a.carried_in:
         del scales[n]
-    targets = a.targets_of(got)
     device = targets[0][1].device
     later = {}  # target -> the tensor its scale goes to (sent with a later bucket)
     for t, n in a.carried_out:

@@ -197,14 +197,14 @@ class Fp8Source:
                 raise ValueError(f"the weight source ended before {layout.names[0]!r}'s bucket "
                                  f"was complete ({len(got)} of {len(layout.inner)} tensors)")
             taken += len(got)
-            if addresses is not None and fillable(layout.addressing.targets_of(got),
-                                                  layout.groups, self.targets.fmt):
+            targets = layout.addressing.targets_of(got) if addresses is not None else []
+            if fillable(targets, layout.groups, self.targets.fmt):
                 if ahead is not None:  # its scales may be this bucket's
                     yield from self._settled(*ahead, scales)
                     ahead = None
                 flags = flags or FillFlags(len(layouts), got[0][1].device)
-                if (prepared := fill_bucket(layout, got, addresses, scales, flags, index,
-                                            self.targets.fmt)) is not None:
+                if (prepared := fill_bucket(layout, got, targets, addresses, scales, flags,
+                                            index, self.targets.fmt)) is not None:
                     self.by_address += 1
                     yield prepared
                     continue
