@@ -141,17 +141,38 @@ def launch(addrs: torch.Tensor, count: int, aligns: tuple[int, int], like: torch
         _quantize_blocks[(count, *blocks)](*args, **consts)
 
 
+def launch_groups(likes: list[torch.Tensor], counts: list[int],
+                  at: tuple[np.ndarray, np.ndarray, np.ndarray], marks: np.ndarray,
+                  block: tuple[int, int], ue8m0: bool) -> None:
+    """One `launch` per group of `counts[g]` tensors like `likes[g]`, from and to the
+    addresses in `at` (inputs, e4m3 values, scales; the groups one after another), group g
+    marking as `marks[g]` says (flag address, status address, base, value); every table in
+    one upload."""
+    (q_base, q_off), (s_base, s_off) = offsets(at[1], 1), offsets(at[2], 4)
+    tables, first = [], 0
+    for count, row in zip(counts, marks, strict=True):
+        part = slice(first, first + count)
+        tables += [at[0][part], q_off[part], s_off[part], row]
+        first += count
+    table = upload(np.concatenate(tables), likes[0].device)
+    aligns, offset = (alignment(at[0]), alignment(q_off)), 0
+    for like, count in zip(likes, counts, strict=True):
+        end = offset + 3 * count
+        launch(table[offset:end], count, aligns, like, block, ue8m0, table[end:end + 4],
+               (q_base, s_base))
+        offset = end + 4
+
+
 def quantize(x: torch.Tensor, block: tuple[int, int],
              ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values of x's shape, float32 scale_inv per block) of the 2-D CUDA tensor `x`
-    (batches go through `launch` with tables of their own)."""
+    (the caller checks the scales)."""
     (m, n), (bm, bn) = x.shape, block
     q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((triton.cdiv(m, bm), triton.cdiv(n, bn)), dtype=torch.float32,
                     device=x.device)
     scratch = torch.zeros(1, dtype=torch.int64, device=x.device)  # its marks, unread
-    marks = np.array([scratch.data_ptr()] * 2 + [1, 1], dtype=np.int64)
-    table = upload(np.concatenate([[x.data_ptr(), 0, 0], marks]), x.device)
-    launch(table[:3], 1, (alignment(np.array([x.data_ptr()])), 16), x, block, ue8m0,
-           table[3:], (q.data_ptr(), s.data_ptr()))
+    at = tuple(np.array([t.data_ptr()], dtype=np.int64) for t in (x, q, s))
+    launch_groups([x], [1], at, np.array([[scratch.data_ptr()] * 2 + [1, 1]], dtype=np.int64),
+                  block, ue8m0)
     return q, s

@@ -230,23 +230,11 @@ def launch_into(named: list, groups: list[list[int]], fmt: BlockFp8Format,
     order), with one upload of every table. `marks` (flag, status, status value): a
     non-finite block sets the int64 flag to (group + 1) << 32 | the tensor's place in it
     (`marked_tensor`) and the status word to the value; its scales hold NaN or inf."""
-    device = named[groups[0][0]][1].device
     flag, status, value = marks
-    (q_base, q_off), (s_base, s_off) = fp8_kernel.offsets(at[1], 1), fp8_kernel.offsets(at[2], 4)
-    tables, first = [], 0
-    for g, idx in enumerate(groups):
-        part = slice(first, first + len(idx))
-        tables += [at[0][part], q_off[part], s_off[part]]
-        tables.append(np.array([flag, status, (g + 1) << 32, value], dtype=np.int64))
-        first += len(idx)
-    table = fp8_kernel.upload(np.concatenate(tables), device)
-    aligns = (fp8_kernel.alignment(at[0]), fp8_kernel.alignment(q_off))
-    offset = 0
-    for idx in groups:
-        end = offset + 3 * len(idx)
-        fp8_kernel.launch(table[offset:end], len(idx), aligns, named[idx[0]][1], fmt.block,
-                          fmt.ue8m0, table[end:end + 4], (q_base, s_base))
-        offset = end + 4
+    rows = np.array([[flag, status, (g + 1) << 32, value] for g in range(len(groups))],
+                    dtype=np.int64)
+    fp8_kernel.launch_groups([named[idx[0]][1] for idx in groups], list(map(len, groups)), at,
+                             rows, fmt.block, fmt.ue8m0)
 
 
 def marked_tensor(groups: list[list[int]], flag: int) -> int | None:
