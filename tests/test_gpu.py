@@ -346,6 +346,52 @@ def test_graph_send_stages_addresses_once_and_again_after_an_eager_pack() -> Non
         group.destroy()
 
 
+def test_graph_send_launches_runs_of_frames_in_order() -> None:
+    """With 2 buffers a graph launch carries up to 3 frames: the refit's first frame alone,
+    then runs; the buffers end holding the last frames, bit for bit, with their headers. A
+    frame that goes eagerly launches the pending run first: bucket 3 eager in the same slot
+    as bucket 1 (pending until then) holds bucket 3's bytes, not bucket 1's."""
+    from common.source import DictWeightSource
+    from common.wire.bucket_header import HEADER_BYTES, Header
+
+    group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
+                       num_trainers=1, timeout_s=60)
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        weights = {f"w{i}": torch.randn(512 * 1024, generator=g, device="cuda").bfloat16()
+                   for i in range(16)}  # 1 MiB each, 4 a bucket
+        source = DictWeightSource(weights)
+        plan = RefitPlan.build(source.plan_specs(), RefitConfig(
+            bucket_bytes=4 * MIB + 4096, num_buffers=2, graph_send=True))
+        assert [len(plan.bucket_specs(b)) for b in plan.buckets] == [4] * 4
+        sender = RefitSender.setup(group, plan)
+
+        def holds(version: int, buckets: list[int], tensors: dict) -> None:
+            torch.cuda.synchronize()
+            for index in buckets:
+                bucket = plan.buckets[index]
+                header = Header.decode(sender.bucket_buffer(bucket)[:HEADER_BYTES].cpu())
+                assert (header.bucket, header.version) == (index, version)
+                for name, got in sender.layouts[index].unpack():
+                    assert torch.equal(got, tensors[name]), (version, name)
+
+        for version in (1, 2):
+            sender.refit(source, version)
+            assert sender.graphs.launches == 2 * version  # [0], [1, 2, 3]
+            holds(version, [2, 3], weights)
+        odd = plan.bucket_specs(plan.buckets[3])[-1].name
+        sender.refit(OddSource(weights, odd), 3)  # [0], [1, 2], then bucket 3 eagerly
+        assert (sender.graphs.launches, sender.graphs.replays) == (6, 11)
+        holds(3, [2, 3], weights)
+        for t in weights.values():
+            t.neg_()
+        sender.refit(source, 4)
+        assert sender.graphs.launches == 8
+        holds(4, [2, 3], weights)
+    finally:
+        group.destroy()
+
+
 def staged_rank(rank: int, world: int, port: int, buffers: int) -> dict:
     """A host (gloo) group whose receiver applies on the GPU: frames staged from page-locked
     buffers, asynchronously, while the next frames land in the other buffers."""

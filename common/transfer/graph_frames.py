@@ -1,4 +1,4 @@
-"""Whole frames sent as one CUDA graph replay per bucket: pack, header, checksum, broadcast.
+"""Whole frames sent as CUDA graph replays: pack, header, checksum, broadcast.
 
 On CUDA a bucket's sender time is host time: the pack kernels' graph replay and its event, the
 header's device copy, ProcessGroupNCCL's broadcast call and its Work, tens of microseconds each
@@ -7,9 +7,11 @@ it is one replay: the pack kernels read the sources' addresses from their pinned
 (written only when the addresses change: a source whose tensors stay put stages them once),
 one more kernel copies the frame's header from the refit's header table (the row's address is
 staged like a source's), the checksum (when on) is stamped on the device, and the broadcast was
-captured on the capturing stream. A replay is waited for through an event recorded behind it,
-polled with the refit timeout like a collective's Work; a dead peer leaves the replayed broadcast
-waiting on the GPU until the timeout aborts the communicator, as with an eager one. The
+captured on the capturing stream (on the frame's subgroup for a need-set's whole frame). A few
+consecutive frames go as one graph (a run), one launch for all. A replay is waited for through
+an event recorded behind it, polled with the refit timeout like a collective's Work; a dead
+peer leaves the replayed broadcast waiting on the GPU until the timeout aborts the
+communicator, as with an eager one. The
 receivers' eager broadcasts pair with the replayed ones: every rank keeps the plan's order.
 
 Only whole frames from their source go this way (not a direct bucket, a compact frame, a delta
@@ -35,105 +37,181 @@ log = logging.getLogger(__name__)
 
 
 class ReplayWork:
-    """A replayed frame's completion, polled by `Transport.wait` as a collective's Work is."""
+    """A replayed frame's completion, polled by `Transport.wait` as a collective's Work is;
+    its event is set when the frame's graph is launched (a frame waits in `GraphFrames`'
+    pending run until then)."""
 
     __slots__ = ("event",)
 
-    def __init__(self, event: torch.cuda.Event) -> None:
+    def __init__(self, event: torch.cuda.Event | None = None) -> None:
         self.event = event
 
     def is_completed(self) -> bool:
-        return self.event.query()
+        return self.event is not None and self.event.query()
 
     def wait(self) -> None:
         """Nothing to raise: a replay reports no error of its own (a stuck one times out)."""
 
 
 class _Captured:
-    """One bucket's graph, the kernels whose staging tables it reads, and whether it holds the
+    """One frame's graph, the kernels whose staging tables it reads, and whether it holds the
     broadcast too (else the frame's broadcast is started eagerly after the replay)."""
 
     __slots__ = ("graph", "kernels", "header", "event", "nbytes", "broadcasts", "checked",
-                 "tables")
+                 "tables", "frame", "sub")
 
     def __init__(self, graph: torch.cuda.CUDAGraph, kernels: list, header: BufferKernel,
-                 event: torch.cuda.Event, nbytes: int, broadcasts: bool) -> None:
+                 event: torch.cuda.Event, frame: tuple, broadcasts: bool) -> None:
         self.graph, self.kernels, self.header = graph, kernels, header
-        self.event, self.nbytes, self.broadcasts = event, nbytes, broadcasts
+        self.event, self.broadcasts = event, broadcasts
+        self.frame, self.nbytes = frame[:2], frame[0].numel()  # (wire, payload), bytes moved
+        self.sub = frame[2]  # the broadcast's subgroup (None: the whole group)
         # the last sources' addresses found fit for the graph (bytes) and each kernel's table
         self.checked: bytes | None = None
         self.tables: list[tuple[BufferKernel, np.ndarray, bytes]] = []
 
+    @property
+    def readers(self) -> list[BufferKernel]:
+        """The kernels whose staging tables a replay reads."""
+        return [k for _, k in self.kernels] + [self.header]
+
+
+class _Run:
+    """Consecutive frames captured as one graph (one launch for all of them)."""
+
+    __slots__ = ("graph", "event", "readers")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, readers: list[BufferKernel]) -> None:
+        self.graph, self.event, self.readers = graph, torch.cuda.Event(), readers
+
 
 class GraphFrames:
-    """A trainer's captured whole frames, one graph per bucket it sources (made on the bucket's
+    """A trainer's captured whole frames, one graph per frame it sources (made on the frame's
     first send). Where the transport's broadcast cannot be captured, the graphs hold the pack,
-    header and checksum, and the broadcast goes eagerly after each replay."""
+    header and checksum, and the broadcast goes eagerly after each replay.
 
-    def __init__(self, group: Transport, checksums: bool) -> None:
-        self.group, self.checksums = group, checksums
+    Frames wait in a pending run of up to `per_run` and go as one graph of the run (a
+    graph launch costs host time like a frame's own work); the first frame of a refit goes
+    alone, so the device starts at once. The sender calls `flush` before anything else
+    reaches the group or the frames' buffers (an eager frame, the end of a refit): the run's
+    frames then precede it on the stream and on the wire. `per_run` is at most the buffer
+    count plus one: a trainer that sources none of the run takes at most that many buckets
+    past the run's first before it waits for that frame, so the run's source can take (and
+    gather with it) every bucket of the run before launching it."""
+
+    def __init__(self, group: Transport, checksums: bool, per_run: int = 1) -> None:
+        self.group, self.checksums, self.per_run = group, checksums, per_run
         self.device_index = group.device.index
-        self._graphs: dict[int, _Captured | None] = {}
+        self._graphs: dict[tuple[int, int], _Captured | None] = {}
+        self._runs: dict[tuple, _Run | None] = {}  # by the run's frame keys
+        self._pending: list[tuple[tuple[int, int], _Captured, ReplayWork]] = []
+        self._fresh = True  # the next frame starts a refit
+        self._replans = 0  # the sharding's re-plans the graphs were captured after
         self.failure: str | None = None  # why capturing the broadcast failed (logged once)
         self.replays = 0  # frames sent by replay so far
-        # One memory pool for every bucket's graph (the checksum's scratch): the replays run
-        # one after another on one stream, so they can share it.
+        self.launches = 0  # graph launches (a run's frames in one)
+        # One memory pool for every graph (the checksum's scratch): the replays run one after
+        # another on one stream, so they can share it.
         self._pool: tuple | None = None
 
     @property
     def captured(self) -> int:
-        """How many buckets go by replay."""
+        """How many frames go by replay."""
         return sum(entry is not None for entry in self._graphs.values())
 
-    def send(self, index: int, layout: BucketLayout, wire: torch.Tensor, payload: torch.Tensor,
+    def send(self, key: tuple[int, int], layout: BucketLayout, frame: tuple,
              ptrs: np.ndarray, header_address: int) -> object | None:
-        """Replay bucket `index`'s frame (its `layout`, [header | payload] buffer `wire`) for
-        sources at `ptrs` and the header row at `header_address`; returns what to wait for,
-        or None: send it eagerly."""
-        if (entry := self._graphs.get(index, _Captured)) is _Captured:
-            entry = self._graphs[index] = self._capture(layout, wire, payload)
+        """Replay frame `key` (bucket, need-set: its `layout`, `frame` = its [header |
+        payload] buffer, payload and broadcast subgroup) for sources at `ptrs` and the header
+        row at `header_address`, now or with its run; returns what to wait for, or None:
+        send it eagerly (the caller flushes first)."""
+        if (entry := self._graphs.get(key, _Captured)) is _Captured:
+            self.flush()  # the capture waits for the tables' last readers
+            entry = self._graphs[key] = self._capture(layout, frame)
         if entry is None or header_address % 16:
             return None
-        if (key := ptrs.tobytes()) != entry.checked:  # the tables are a function of `ptrs`
+        if (addresses := ptrs.tobytes()) != entry.checked:  # the tables are a function of ptrs
             tables = kernel_tables(entry.kernels, ptrs)
             if tables is None or any(k.vec_for(bits) != k.vec for k, _, bits in tables):
                 return None  # sources aligned for another variant than the captured one
-            entry.checked = key
+            entry.checked = addresses
             entry.tables = [(k, table.copy(), table.tobytes()) for k, table, _ in tables]
-        for kernel, table, table_key in entry.tables:  # waits for the last replay if changed
+        for kernel, table, table_key in entry.tables:  # waits for its last reader if changed
             kernel.stage(table, table_key)
         header = np.array([header_address], np.int64)
         entry.header.stage(header, header.tobytes())
+        if not entry.broadcasts:
+            self.flush()
+            self._launch(entry.graph, entry.event, entry.readers)
+            self.replays += 1
+            return self.group.broadcast(entry.frame[0], self.group.rank, entry.sub)
+        self.group.count_moved(entry.nbytes)
+        work = ReplayWork()
+        self._pending.append((key, entry, work))
+        if self._fresh or len(self._pending) >= self.per_run:
+            self.flush()
+        self._fresh = False
+        return work
+
+    def flush(self) -> None:
+        """Launch the pending run's frames (one graph; each frame's own where the run's
+        cannot be captured)."""
+        if not (pending := self._pending):
+            return
+        self._pending = []
+        self.replays += len(pending)
+        run = None
+        if len(pending) > 1:
+            keys = tuple(key for key, _, _ in pending)
+            if (run := self._runs.get(keys, _Run)) is _Run:
+                run = self._runs[keys] = self._capture_run([e for _, e, _ in pending])
+        if run is not None:
+            self._launch(run.graph, run.event, run.readers)
+            for _, _, work in pending:
+                work.event = run.event
+            return
+        for _, entry, work in pending:
+            self._launch(entry.graph, entry.event, entry.readers)
+            work.event = entry.event
+
+    def start_refit(self, replans: int) -> None:
+        """A refit starts: its first frame goes alone; frames a failed refit left pending are
+        dropped (never launched); after a re-plan (`replans`: how many so far) every graph
+        is captured again, on the new subgroups."""
+        self._pending, self._fresh = [], True
+        if replans != self._replans:
+            self._graphs, self._runs, self._replans = {}, {}, replans
+
+    def _launch(self, graph: torch.cuda.CUDAGraph, event: torch.cuda.Event,
+                readers: list[BufferKernel]) -> None:
+        """Replay `graph` and record `event` behind it, the event its staging tables' next
+        writer waits for."""
         if torch._C._cuda_getDevice() == self.device_index:
-            entry.graph.replay()
+            graph.replay()
         else:
             with torch.cuda.device(self.device_index):
-                entry.graph.replay()
-        entry.event.record(current_stream(self.device_index))
-        self.replays += 1
-        if not entry.broadcasts:
-            return self.group.broadcast(wire, self.group.rank)
-        self.group.count_moved(entry.nbytes)
-        return ReplayWork(entry.event)
+                graph.replay()
+        event.record(current_stream(self.device_index))
+        for kernel in readers:
+            kernel.uploaded = event
+        self.launches += 1
 
-    def _capture(self, layout: BucketLayout, wire: torch.Tensor,
-                 payload: torch.Tensor) -> _Captured | None:
+    def _capture(self, layout: BucketLayout, frame: tuple) -> _Captured | None:
         """The frame's graph (with its broadcast unless that failed to capture before), or
         None where it cannot be one."""
         kernels = [(idx, k) for idx, k in layout.kernels if k.chunk_slot.numel()]
         if layout.misaligned or not kernels or any(k.vec not in k.graphs for _, k in kernels):
             return None  # bytes copied outside the kernels, or a kernel not warmed
+        wire, payload, _ = frame
         header = BufferKernel(wire, 8, [0], [HEADER_BYTES])
         header.warm()  # compiles it (the header copied onto itself)
         if self.checksums:
             checksum.stamp(wire, payload)  # compiles the hash kernel outside the capture
-        event = torch.cuda.Event()
         for _, kernel in [*kernels, (None, header)]:
             kernel.uploaded.synchronize()
-            kernel.uploaded = event  # an eager pack of this bucket guards the same tables
         for broadcasts in ((True, False) if self.failure is None else (False,)):
             try:
-                graph = self._record(kernels, header, wire, payload, broadcasts)
+                graph = self._record([(kernels, header, frame)], broadcasts)
             except RuntimeError as e:
                 if broadcasts:
                     log.warning("%s: a frame's broadcast could not be captured in a CUDA graph, "
@@ -143,24 +221,36 @@ class GraphFrames:
                 log.warning("%s: a frame's pack could not be captured in a CUDA graph, sending "
                             "eagerly: %s", self.group.label, e)
                 return None
-            return _Captured(graph, kernels, header, event, wire.numel(), broadcasts)
+            return _Captured(graph, kernels, header, torch.cuda.Event(), frame, broadcasts)
         return None
 
-    def _record(self, kernels: list, header: BufferKernel, wire: torch.Tensor,
-                payload: torch.Tensor, broadcasts: bool) -> torch.cuda.CUDAGraph:
+    def _capture_run(self, entries: list[_Captured]) -> _Run | None:
+        """One graph of `entries`' frames in order, or None (each replays its own)."""
+        try:
+            graph = self._record([(e.kernels, e.header, (*e.frame, e.sub)) for e in entries],
+                                 broadcasts=True)
+        except RuntimeError as e:
+            log.warning("%s: %d frames could not be captured as one CUDA graph, each goes by "
+                        "its own: %s", self.group.label, len(entries), e)
+            return None
+        return _Run(graph, [k for e in entries for k in e.readers])
+
+    def _record(self, frames: list[tuple], broadcasts: bool) -> torch.cuda.CUDAGraph:
+        """A graph of `frames` (kernels, header kernel, (wire, payload, subgroup)) in order."""
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.device(self.device_index), torch.cuda.stream(torch.cuda.Stream()):
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                for _, kernel in kernels:
-                    kernel.launch(kernel.vec)
-                header.launch(header.vec)
-                if self.checksums:
-                    checksum.stamp(wire, payload)
-                if broadcasts:
-                    self.group.capture_broadcast(wire, self.group.rank)
+                for kernels, header, (wire, payload, sub) in frames:
+                    for _, kernel in kernels:
+                        kernel.launch(kernel.vec)
+                    header.launch(header.vec)
+                    if self.checksums:
+                        checksum.stamp(wire, payload)
+                    if broadcasts:
+                        self.group.capture_broadcast(wire, self.group.rank, sub)
             finally:
                 graph.capture_end()
         return graph

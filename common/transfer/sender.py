@@ -72,7 +72,7 @@ class RefitSender(Endpoint):
         self.shadows = ShadowSender(self) if plan.config.delta else None
         self._headers: tuple | None = None  # `header_table`'s
         self._checks: list = []  # a refit's (bucket, check) per frame its source filled
-        self.graphs = (GraphFrames(group, self.checksums)
+        self.graphs = (GraphFrames(group, self.checksums, per_run=self.num_buffers + 1)
                        if plan.config.graph_send and group.captures_broadcasts else None)
         for bucket in plan.buckets:  # the first refit then runs at the speed of the others
             if bucket.source_rank == group.rank and not bucket.direct:
@@ -138,6 +138,8 @@ class RefitSender(Endpoint):
         self.agree_on_needs(None, f"refit v{version}")
         modes = self.shadows.modes(f"refit v{version}") if self.shadows else {}
         stats.replan_s = time.perf_counter() - t0
+        if self.graphs is not None:  # subgroups made by a re-plan: capture their broadcasts
+            self.graphs.start_refit(self.sharding.replans)
         routes = [self.sharding.routes(b) for b in plan.buckets]
         it: Iterator | None = iter(source.iter_tensors(plan))
         self._checks = []
@@ -176,6 +178,8 @@ class RefitSender(Endpoint):
                                                 routes[bucket.index], modes, table,
                                                 pending, held, error, stats)
             del tensors, ptrs  # the source's copies go before the next bucket is gathered
+        if self.graphs is not None and dead is None:
+            self.graphs.flush()  # the frames still in a pending run
         for works in [replayed, *pending.values()]:
             dead = dead or self._settle(works, stats)
         stats.send_s = time.perf_counter() - t0
@@ -234,12 +238,15 @@ class RefitSender(Endpoint):
                 and self.graphs is not None and self.shadows is None):
             row = table[1][bucket.index, route.set_index]
             try:  # a failure before the replay becomes an ABORT like a failing pack
-                work = self.graphs.send(bucket.index, self.layouts[bucket.index], wire, payload,
+                work = self.graphs.send((bucket.index, route.set_index),
+                                        self.layouts[bucket.index], (wire, payload, route.sub),
                                         ptrs, table[0].data_ptr() + row * HEADER_BYTES)
             except Exception as e:  # noqa: BLE001 - reported to every rank
                 work, error = None, RefitError(f"{group.label}: replaying {what} failed: {e}")
             if work is not None:
                 return [(work, what)], None, error
+        if self.graphs is not None:  # frames of a pending run go first (stream, group)
+            self.graphs.flush()
         row = table[1][bucket.index, route.set_index]
         if is_src and error is None:
             try:  # a failing pack (device, memory) becomes an ABORT like any other error

@@ -25,7 +25,7 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 from common.wire.addresses import local_address_toward
-from common.wire.transport import Transport, padded
+from common.wire.transport import Subgroup, Transport, padded
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +135,14 @@ class RefitGroup(Transport):
     def _broadcast(self, tensor: torch.Tensor, src: int, handle: object = None) -> dist.Work:
         return (handle or self._pg).broadcast([tensor], self._options(src, True))
 
-    def capture_broadcast(self, tensor: torch.Tensor, src: int) -> None:
+    def capture_broadcast(self, tensor: torch.Tensor, src: int,
+                          sub: Subgroup | None = None) -> None:
         # not async: ProcessGroupNCCL launches it on the current (capturing) stream, no
         # side stream to join back before the capture ends
-        self._pg.broadcast([tensor], self._options(src, False))
+        if sub is None:
+            self._pg.broadcast([tensor], self._options(src, False))
+        else:
+            sub.handle.broadcast([tensor], self._options(sub.ranks.index(src), False))
 
     def _options(self, src: int, async_op: bool) -> dist.BroadcastOptions:
         """One options object per root, made once: a collective's host time counts per

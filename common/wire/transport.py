@@ -115,10 +115,11 @@ class Transport(ABC):
             return self._broadcast(tensor, src)
         return self._broadcast(tensor, sub.ranks.index(src), sub.handle)
 
-    def capture_broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        """Inside a CUDA graph capture: a whole-group broadcast of `tensor` from `src`, on
-        the capturing stream, moving bytes each time the graph is replayed (count them with
-        `count_moved`). Only where `captures_broadcasts`."""
+    def capture_broadcast(self, tensor: torch.Tensor, src: int,
+                          sub: Subgroup | None = None) -> None:
+        """Inside a CUDA graph capture: a broadcast of `tensor` from `src` to the whole group
+        or to `sub`'s ranks, on the capturing stream, moving bytes each time the graph is
+        replayed (count them with `count_moved`). Only where `captures_broadcasts`."""
         raise ValueError(f"{type(self).__name__} has no captured broadcasts")
 
     def count_moved(self, nbytes: int) -> None:
