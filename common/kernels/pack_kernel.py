@@ -27,6 +27,7 @@ except ImportError:  # pragma: no cover - machines without Triton use the foreac
 log = logging.getLogger(__name__)
 _STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}  # `current_stream`'s objects
 BLOCK = 4096  # copy units per program
+NUM_WARPS = 4  # per program
 _UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 if triton is not None:
@@ -154,7 +155,8 @@ class BufferKernel:
         self.ptrs.copy_(self.host_ptrs, non_blocking=True)
         _copy_chunks[(self.chunk_slot.numel(),)](
             self.ptrs, self.buf, self.buf_offs, self.sizes, self.chunk_slot, self.chunk_start,
-            BLOCK=self.block, VEC=vec, ALIGN=vec * self.unit, SCATTER=self.scatter)
+            BLOCK=self.block, VEC=vec, ALIGN=vec * self.unit, SCATTER=self.scatter,
+            num_warps=NUM_WARPS)
 
     def _capture(self, vec: int) -> torch.cuda.CUDAGraph | None:
         """The upload and the launch as one CUDA graph (it reads the staging table when it

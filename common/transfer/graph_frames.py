@@ -58,7 +58,7 @@ class _Captured:
     broadcast too (else the frame's broadcast is started eagerly after the replay)."""
 
     __slots__ = ("graph", "kernels", "header", "event", "nbytes", "broadcasts", "checked",
-                 "tables", "frame", "sub")
+                 "tables", "frame", "sub", "header_at")
 
     def __init__(self, graph: torch.cuda.CUDAGraph, kernels: list, header: BufferKernel,
                  event: torch.cuda.Event, frame: tuple, broadcasts: bool) -> None:
@@ -69,6 +69,7 @@ class _Captured:
         # the last sources' addresses found fit for the graph (bytes) and each kernel's table
         self.checked: bytes | None = None
         self.tables: list[tuple[BufferKernel, np.ndarray, bytes]] = []
+        self.header_at = 0  # the header row's address staged in `header`'s table
 
     @property
     def readers(self) -> list[BufferKernel]:
@@ -138,8 +139,10 @@ class GraphFrames:
             entry.tables = [(k, table.copy(), table.tobytes()) for k, table, _ in tables]
         for kernel, table, table_key in entry.tables:  # waits for its last reader if changed
             kernel.stage(table, table_key)
-        header = np.array([header_address], np.int64)
-        entry.header.stage(header, header.tobytes())
+        if header_address != entry.header_at:  # the refit's header table stays put
+            header = np.array([header_address], np.int64)
+            entry.header.stage(header, header.tobytes())
+            entry.header_at = header_address
         if not entry.broadcasts:
             self.flush()
             self._launch(entry.graph, entry.event, entry.readers)
