@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - machines without Triton use the foreac
 log = logging.getLogger(__name__)
 _STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}  # `current_stream`'s objects
 BLOCK = 4096  # copy units per program
-NUM_WARPS = 4  # per program
+NUM_WARPS = 8  # per program
 _UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 if triton is not None:

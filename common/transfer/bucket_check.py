@@ -54,6 +54,9 @@ class BucketChecker:
         self.scans = {} if module is None else {
             b.index: native.BucketScan(module, plan.bucket_specs(b), device) for b in mine}
         self._names: dict[int, tuple[str, ...]] = {}
+        # whether the last bucket taken came from a dict that keeps its tensors alive (a
+        # source's own copies are freed once the sender drops them)
+        self.held = False
         self.expected = {  # for the Python path
             b.index: tuple(list(map(f, plan.bucket_specs(b))) for f in (_NAME, _DTYPE, _SHAPE))
             for b in mine if b.index not in self.scans
@@ -72,7 +75,9 @@ class BucketChecker:
                 tensors, ptrs = scan.take_mapping(it.mapping)
                 if tensors is not None:
                     it.advance(len(specs))
+                    self.held = True
                     return tensors, ptrs
+        self.held = False
         first = next(it, None)
         if isinstance(first, PreparedBucket):
             return self._prepared(first, bucket, version)

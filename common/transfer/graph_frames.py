@@ -91,9 +91,10 @@ class GraphFrames:
     first send). Where the transport's broadcast cannot be captured, the graphs hold the pack,
     header and checksum, and the broadcast goes eagerly after each replay.
 
-    Frames wait in a pending run of up to `per_run` and go as one graph of the run (a
-    graph launch costs host time like a frame's own work); the first frame of a refit goes
-    alone, so the device starts at once. The sender calls `flush` before anything else
+    Frames whose sources the weight source keeps alive (a dict's tensors, not copies the
+    sender frees after the send) wait in a pending run of up to `per_run` and go as one graph
+    of the run (a graph launch costs host time like a frame's own work); the first frame of a
+    refit goes alone, so the device starts at once. The sender calls `flush` before anything else
     reaches the group or the frames' buffers (an eager frame, the end of a refit): the run's
     frames then precede it on the stream and on the wire. `per_run` is at most the buffer
     count plus one: a trainer that sources none of the run takes at most that many buckets
@@ -121,13 +122,14 @@ class GraphFrames:
         return sum(entry is not None for entry in self._graphs.values())
 
     def send(self, key: tuple[int, int], layout: BucketLayout, frame: tuple,
-             ptrs: np.ndarray, header_address: int) -> object | None:
+             ptrs: np.ndarray, header_address: int, held: bool = False) -> object | None:
         """Replay frame `key` (bucket, need-set: its `layout`, `frame` = its [header |
         payload] buffer, payload and broadcast subgroup) for sources at `ptrs` and the header
-        row at `header_address`, now or with its run; returns what to wait for, or None:
-        send it eagerly (the caller flushes first)."""
+        row at `header_address`; with its run where the sources are `held` by the weight
+        source beyond this call (a dict's tensors), else now (the caller frees its copies:
+        the launch must come first). Returns what to wait for, or None: send it eagerly (the
+        caller flushes first)."""
         if (entry := self._graphs.get(key, _Captured)) is _Captured:
-            self.flush()  # the capture waits for the tables' last readers
             entry = self._graphs[key] = self._capture(layout, frame)
         if entry is None or header_address % 16:
             return None
@@ -151,7 +153,7 @@ class GraphFrames:
         self.group.count_moved(entry.nbytes)
         work = ReplayWork()
         self._pending.append((key, entry, work))
-        if self._fresh or len(self._pending) >= self.per_run:
+        if self._fresh or not held or len(self._pending) >= self.per_run:
             self.flush()
         self._fresh = False
         return work

@@ -240,7 +240,8 @@ class RefitSender(Endpoint):
             try:  # a failure before the replay becomes an ABORT like a failing pack
                 work = self.graphs.send((bucket.index, route.set_index),
                                         self.layouts[bucket.index], (wire, payload, route.sub),
-                                        ptrs, table[0].data_ptr() + row * HEADER_BYTES)
+                                        ptrs, table[0].data_ptr() + row * HEADER_BYTES,
+                                        self.checker.held)
             except Exception as e:  # noqa: BLE001 - reported to every rank
                 work, error = None, RefitError(f"{group.label}: replaying {what} failed: {e}")
             if work is not None:
