@@ -72,20 +72,18 @@ def fill_bucket(layout, got: list, targets: list, inner_at: np.ndarray, scales: 
         later[t] = scales[n] = torch.empty(fmt.scale_shape(targets[t][1].shape),
                                            dtype=torch.float32, device=device)
     ptrs = bucket_addresses(layout, inner_at, carried)
-    groups = [list(g) for g in layout.groups]
-    order = np.fromiter((t for g in groups for t in g), np.int64)
-    x_at = inner_at[a.target_inner][order]
-    names = [n for n, _ in targets]
+    groups, order = a.groups, a.order  # made once per plan: no Python per weight here
 
     def fill(slots: np.ndarray, mark: tuple[int, int]) -> Callable[[], str | None]:
         s_at = np.empty(len(targets), np.int64)
         s_at[a.scale_target] = slots[a.scale_pos]
         for t, s in later.items():
             s_at[t] = s.data_ptr()
-        launch_into(targets, groups, fmt, (x_at, slots[a.target_pos][order], s_at[order]),
+        launch_into(targets, groups, fmt,
+                    (inner_at[a.order_inner], slots[a.target_pos[order]], s_at[order]),
                     (flags.address(bucket), *mark))
         flags.launched += 1
-        return lambda: _why(names, marked_tensor(groups, flags.marked(bucket)))
+        return lambda: _why(targets, marked_tensor(groups, flags.marked(bucket)))
 
     def views() -> list[torch.Tensor]:
         results = quantize_batch(targets, fmt, groups, inner_at[a.target_inner])
@@ -126,8 +124,8 @@ def bucket_tensors(layout, got: list, results: list, carried: list) -> list[torc
     return out
 
 
-def _why(names: list[str], marked: int | None) -> str | None:
+def _why(targets: list, marked: int | None) -> str | None:
     if marked is None:
         return None
-    return (f"{names[marked]!r} has NaN or inf values: it cannot be quantized to FP8 (its "
+    return (f"{targets[marked][0]!r} has NaN or inf values: it cannot be quantized to FP8 (its "
             "frame went with a NONFINITE status: no receiver loaded it)")

@@ -337,6 +337,9 @@ class _Addressing:
     carried_in: tuple[tuple[int, str], ...]
     carried_out: tuple[tuple[int, str], ...]
     targets_of: Callable[[list], list]  # a bucket's inner items -> its targets' (C-level)
+    groups: list[list[int]]  # the layout's groups (targets of one shape), as lists
+    order: np.ndarray  # the targets in launch order (group after group)
+    order_inner: np.ndarray  # their places in the inner order
 
 
 def _addressing(layout: _BucketLayout) -> _Addressing:
@@ -344,13 +347,16 @@ def _addressing(layout: _BucketLayout) -> _Addressing:
     target_of = {scale: t for t, (_, scale) in enumerate(layout.targets)}
     here = [(k, target_of[n]) for k, n in layout.scales if n in target_of]
     sent_here = {n for _, n in layout.scales}
+    target_inner = np.array([inner_at[k] for k, _ in layout.targets], np.int64)
+    order = np.array([t for g in layout.groups for t in g], np.int64)
     return _Addressing(
         np.array(layout.inner, np.int64), np.array([k for k, _ in layout.targets], np.int64),
-        np.array([inner_at[k] for k, _ in layout.targets], np.int64),
+        target_inner,
         np.array([k for k, _ in here], np.int64), np.array([t for _, t in here], np.int64),
         tuple((k, n) for k, n in layout.scales if n not in target_of),
         tuple((t, n) for t, (_, n) in enumerate(layout.targets) if n not in sent_here),
-        _picker([inner_at[k] for k, _ in layout.targets]))
+        _picker([inner_at[k] for k, _ in layout.targets]),
+        [list(g) for g in layout.groups], order, target_inner[order])
 
 
 def _picker(positions: list[int]) -> Callable[[list], list]:
