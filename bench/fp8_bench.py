@@ -8,9 +8,9 @@ buckets. Lists: the synthetic 20,000-tensor MoE list (each tensor 2-D) and the Q
 shaped list (scale 0.5 on a GPU). The last line is one JSON object: `quantize_pack_over_copy`
 (the worse list: an FP8 refit over one device copy of the bf16 bytes; target <= 1.5),
 `wire_fraction_fp8` (the FP8 plan's bytes over the bf16 plan's), `quantize_alone_over_copy`
-(the worse list's quantize kernels alone, into buffers of their own: what the refit's frames
-add to it is the fill's share and the rest's pack), and per list the bf16 refit over the same
-copy.
+(the worse list's quantize kernels alone, launched per bucket and shape into buffers of their
+own: what the refit adds to it is the fill's share, the rest's pack and the host's take),
+and per list the bf16 refit over the same copy.
 
     python3 bench/fp8_bench.py --out bench/results/fp8_h200.json             # one GPU
     python3 bench/fp8_bench.py --profile 30      # + where one FP8 refit's host time goes
@@ -24,6 +24,7 @@ import statistics
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 from bench_report import _hardware
 from broadcast_bench import DEFAULT_MODEL_SCALE, sync, timed
@@ -65,12 +66,20 @@ def refit_seconds(group: RefitGroup, source, config: RefitConfig,
 def quantize_seconds(tensors: dict, targets: Fp8Targets, plan: RefitPlan,
                      args: argparse.Namespace, device: torch.device) -> float:
     """Median seconds of the quantize alone: every FP8 target into buffers of its own, one
-    batch per bucket of the FP8 plan (the refit's launches, no frame, no pack)."""
-    batches = [named for bucket in plan.buckets
-               if (named := [(s.name, tensors[s.name]) for s in plan.bucket_specs(bucket)
-                             if s.name in targets.names])]
-    return statistics.median(timed(lambda: [start_batch(n, targets.fmt) for n in batches],
-                                   args, device))
+    batch per bucket of the FP8 plan with its groups of one shape and its addresses, as the
+    refit's source launches them (no frame, no pack)."""
+    batches = []
+    for bucket in plan.buckets:
+        named = [(s.name, tensors[s.name]) for s in plan.bucket_specs(bucket)
+                 if s.name in targets.names]
+        by_shape: dict[tuple, list[int]] = {}
+        for i, (_, x) in enumerate(named):
+            by_shape.setdefault(tuple(x.shape), []).append(i)
+        at = np.array([x.data_ptr() for _, x in named], np.int64)
+        if named:
+            batches.append((named, list(by_shape.values()), at))
+    return statistics.median(timed(
+        lambda: [start_batch(n, targets.fmt, g, at) for n, g, at in batches], args, device))
 
 
 def measure_list(group: RefitGroup, name: str, shapes: Shapes,
