@@ -81,11 +81,12 @@ class RefitConfig:
         in plan order, so any order works; what it gains at scale: docs/at-scale.md.
     shadow: where a trainer keeps its shadow: "device" (fastest) or "host" (pinned host memory,
         for memory-tight trainers; a copy to the device per frame). Local to each trainer.
-    graph_send: on CUDA (NCCL), each whole frame this trainer sources goes as one CUDA graph
-        replay: its pack, header, checksum and broadcast captured once per bucket
-        (`common.transfer.graph_frames`), so a bucket costs one host call instead of several;
-        frames that cannot (compact, delta, direct, an ABORT) go eagerly as before. Local to
-        each trainer; the receivers need nothing.
+    graph_send: on CUDA (NCCL), each whole frame this trainer sources goes as a CUDA graph
+        replay: its pack, header, checksum and broadcast captured once per bucket, frames of a
+        dict's tensors in runs of up to `num_buffers` + 1 a launch
+        (`common.transfer.graph_frames`), so a bucket costs a fraction of one host call
+        instead of several; frames that cannot (compact, delta, direct, an ABORT) go eagerly
+        as before. Local to each trainer; the receivers need nothing.
     """
 
     bucket_bytes: int = 256 << 20
