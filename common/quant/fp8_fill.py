@@ -55,7 +55,7 @@ def fillable(targets: list[tuple[str, torch.Tensor]], groups, fmt: BlockFp8Forma
 
 def fill_bucket(layout, got: list, targets: list, inner_at: np.ndarray, scales: dict,
                 flags: FillFlags, bucket: int, fmt: BlockFp8Format) -> PreparedBucket | None:
-    """The bucket (`layout`: its `_BucketLayout`; `got`: its inner items, `targets` the FP8
+    """The bucket (`layout`: its `Fp8Layout`; `got`: its inner items, `targets` the FP8
     ones among them, `inner_at` their addresses) as a `PreparedBucket` the sender fills; None
     when a scale of an earlier bucket's target is not a tensor (its items then say why).
     Takes that bucket's scales out of `scales` and puts this one's later scales (tensors the

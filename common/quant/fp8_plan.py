@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cached_property
-from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +34,7 @@ from common.quant.fp8_fill import (
     fill_bucket,
     fillable,
 )
+from common.quant.fp8_layout import Fp8Layout
 from common.source import MappingItems, PreparedBucket, RefusedTensor, WeightSource
 
 SCALE_SUFFIX = "_scale_inv"
@@ -139,24 +138,6 @@ def fp8_specs(specs: list[TensorSpec], targets: Fp8Targets) -> list[TensorSpec]:
     return out
 
 
-@dataclass(frozen=True)
-class _BucketLayout:
-    """One plan bucket as `Fp8Source` fills it (made once per plan): the plan's names, the
-    positions the inner source feeds, its FP8 targets with their scales' names, and the
-    positions of scales."""
-
-    names: tuple[str, ...]
-    inner: tuple[int, ...]
-    targets: tuple[tuple[int, str], ...]  # (position, its scale's name)
-    scales: tuple[tuple[int, str], ...]  # (position, name)
-    groups: tuple[tuple[int, ...], ...]  # indices into `targets` of one inner shape and dtype
-
-    @cached_property
-    def addressing(self) -> _Addressing:
-        """Where its addresses come from when it goes by address (`PreparedBucket`)."""
-        return _addressing(self)
-
-
 class Fp8Source:
     """`inner` with the engine's FP8 targets quantized after gathering and converting; its
     plan specs are `fp8_specs` of the inner ones. A weight that cannot be quantized (NaN or
@@ -167,7 +148,7 @@ class Fp8Source:
         self._inner_specs = {s.name: s for s in inner.plan_specs()}
         self._scale_names = frozenset(scale_name(n) for n in targets.names)
         self._inner_plans: dict[str, RefitPlan] = {}
-        self._layouts: dict[str, list[_BucketLayout]] = {}
+        self._layouts: dict[str, list[Fp8Layout]] = {}
         self._scans: dict[tuple, native.BucketScan] = {}  # (id(layout), device): its targets
         self.by_address = 0  # buckets the last iteration handed over as `PreparedBucket`s
 
@@ -183,7 +164,7 @@ class Fp8Source:
         together (`start_batch`: one launch per shape on CUDA), the next bucket's launched
         before this one's are checked and yielded, so the device quantizes while the host
         sends: two buckets' inner tensors are alive together. The per-spec work is laid out
-        once per plan (`_BucketLayout`), none of it per tensor and refit."""
+        once per plan (`Fp8Layout`), none of it per tensor and refit."""
         inner = self.inner.iter_tensors(self._inner_plan(plan))
         scales: dict[str, torch.Tensor | RefusedTensor | None] = {}
         self.by_address = 0
@@ -216,7 +197,7 @@ class Fp8Source:
         if ahead is not None:
             yield from self._settled(*ahead, scales)
 
-    def _take(self, inner: Iterator, layout: _BucketLayout,
+    def _take(self, inner: Iterator, layout: Fp8Layout,
               taken: int) -> tuple[list, np.ndarray | None]:
         """The bucket's inner items and, when one native pass found every one with its
         planned name, shape and dtype, contiguous on the targets' device, their addresses (in
@@ -239,7 +220,7 @@ class Fp8Source:
         ptrs = scan.take(got)[1]
         return got, None if ptrs is None else ptrs.copy()
 
-    def _start(self, got: list, layout: _BucketLayout,
+    def _start(self, got: list, layout: Fp8Layout,
                addresses: np.ndarray | None) -> tuple[Fp8Batch, np.ndarray | None]:
         """The quantization of the bucket's targets (held on this rank), launched; and the
         addresses of all the bucket's inner items (`got`), when `_take` found them."""
@@ -247,7 +228,7 @@ class Fp8Source:
         at = None if addresses is None else addresses[layout.addressing.target_inner]
         return start_batch(named, self.targets.fmt, layout.groups, at), addresses
 
-    def _settled(self, layout: _BucketLayout, got: list, batch: Fp8Batch,
+    def _settled(self, layout: Fp8Layout, got: list, batch: Fp8Batch,
                  inner: np.ndarray | None,
                  scales: dict) -> Iterator[tuple[str, torch.Tensor | None] | PreparedBucket]:
         """The bucket: one `PreparedBucket` (by address) when the native pass found all its
@@ -272,7 +253,7 @@ class Fp8Source:
             tensors[k] = scales.pop(name, None)
         yield from zip(names, tensors, strict=True)
 
-    def _scan(self, layout: _BucketLayout, device: torch.device) -> native.BucketScan | None:
+    def _scan(self, layout: Fp8Layout, device: torch.device) -> native.BucketScan | None:
         """The native pass over the bucket's inner items on `device` (made once per layout and
         device); None without the native module."""
         if (scan := self._scans.get((id(layout), device))) is None:
@@ -282,8 +263,8 @@ class Fp8Source:
             scan = self._scans[id(layout), device] = native.BucketScan(module, specs, device)
         return scan
 
-    def _bucket_layouts(self, plan: RefitPlan) -> list[_BucketLayout]:
-        """Each bucket's `_BucketLayout` (made once per plan)."""
+    def _bucket_layouts(self, plan: RefitPlan) -> list[Fp8Layout]:
+        """Each bucket's `Fp8Layout` (made once per plan)."""
         if (known := self._layouts.get(plan.digest)) is not None:
             return known
         layouts = []
@@ -296,7 +277,7 @@ class Fp8Source:
             for t, (k, _) in enumerate(targets):
                 spec = self._inner_specs[names[k]]
                 groups.setdefault((spec.shape, spec.dtype), []).append(t)
-            layouts.append(_BucketLayout(
+            layouts.append(Fp8Layout(
                 names, tuple(k for k, sc in enumerate(is_scale) if not sc), targets,
                 tuple((k, n) for k, n in enumerate(names) if is_scale[k]),
                 tuple(map(tuple, groups.values()))))
@@ -322,52 +303,7 @@ class Fp8Source:
         return self._inner_plans[plan.digest]
 
 
-@dataclass(frozen=True)
-class _Addressing:
-    """Where a bucket's addresses come from (numpy, made once per layout): the inner tensors'
-    positions; the targets' positions and their places in the inner order; the scales of this
-    bucket's targets (position, target); scales of earlier buckets' targets (position, name);
-    this bucket's targets whose scales come later (target, name)."""
-
-    inner_pos: np.ndarray
-    target_pos: np.ndarray
-    target_inner: np.ndarray
-    scale_pos: np.ndarray
-    scale_target: np.ndarray
-    carried_in: tuple[tuple[int, str], ...]
-    carried_out: tuple[tuple[int, str], ...]
-    targets_of: Callable[[list], list]  # a bucket's inner items -> its targets' (C-level)
-    groups: list[list[int]]  # the layout's groups (targets of one shape), as lists
-    order: np.ndarray  # the targets in launch order (group after group)
-    order_inner: np.ndarray  # their places in the inner order
-
-
-def _addressing(layout: _BucketLayout) -> _Addressing:
-    inner_at = {k: i for i, k in enumerate(layout.inner)}
-    target_of = {scale: t for t, (_, scale) in enumerate(layout.targets)}
-    here = [(k, target_of[n]) for k, n in layout.scales if n in target_of]
-    sent_here = {n for _, n in layout.scales}
-    target_inner = np.array([inner_at[k] for k, _ in layout.targets], np.int64)
-    order = np.array([t for g in layout.groups for t in g], np.int64)
-    return _Addressing(
-        np.array(layout.inner, np.int64), np.array([k for k, _ in layout.targets], np.int64),
-        target_inner,
-        np.array([k for k, _ in here], np.int64), np.array([t for _, t in here], np.int64),
-        tuple((k, n) for k, n in layout.scales if n not in target_of),
-        tuple((t, n) for t, (_, n) in enumerate(layout.targets) if n not in sent_here),
-        _picker([inner_at[k] for k, _ in layout.targets]),
-        [list(g) for g in layout.groups], order, target_inner[order])
-
-
-def _picker(positions: list[int]) -> Callable[[list], list]:
-    """`items` -> [items[i] for i in positions], by one C-level `itemgetter`."""
-    if len(positions) < 2:  # itemgetter of one position gives the item, not a tuple
-        return lambda items: [items[i] for i in positions]
-    get = itemgetter(*positions)
-    return lambda items: list(get(items))
-
-
-def _prepared(layout: _BucketLayout, got: list, batch: Fp8Batch, inner: np.ndarray,
+def _prepared(layout: Fp8Layout, got: list, batch: Fp8Batch, inner: np.ndarray,
               found: tuple[np.ndarray, np.ndarray], scales: dict) -> PreparedBucket | None:
     """The bucket by address: inner items (`got`) where they are, targets' e4m3 values and
     scales where the quantizer wrote them, scales of earlier buckets' targets from `scales`
