@@ -29,8 +29,6 @@ except ImportError:  # pragma: no cover - machines without Triton use the torch 
 
 FP8_MAX = 448.0
 _INV_FP8_MAX = float(np.float32(1.0) / np.float32(FP8_MAX))  # rounded to float32, as CUDA's
-# A program's rows at a time (at least the block's: the whole block in registers) and warps
-SUB_ROWS, NUM_WARPS = 128, 8
 
 
 def available(x: torch.Tensor, block: tuple[int, int]) -> bool:
@@ -46,7 +44,7 @@ if triton is not None:
     def _quantize_blocks(addrs, count, marks, q_base, s_base, m, n, stride_m, stride_n,
                          blocks_n, inv_max, IN: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, UE8M0: tl.constexpr, ALIGN: tl.constexpr,
-                         Q_ALIGN: tl.constexpr, SUB: tl.constexpr):
+                         Q_ALIGN: tl.constexpr):
         # program (t, i, j): block (i, j) of tensor t; `addrs` holds every tensor's input
         # address (a multiple of ALIGN bytes), then its e4m3 values' offset from `q_base` (a
         # multiple of Q_ALIGN), then its scales' from `s_base`, in elements. The outputs go
@@ -56,37 +54,18 @@ if triton is not None:
         x = tl.multiple_of(tl.load(addrs + t), ALIGN).to(tl.pointer_type(IN))
         q = q_base + tl.multiple_of(tl.load(addrs + count + t), Q_ALIGN)
         s = s_base + tl.load(addrs + 2 * count + t)
+        rows = pid_m * BM + tl.arange(0, BM)[:, None]
         cols = pid_n * BN + tl.arange(0, BN)[None, :]
-        if SUB == BM:  # the block held at once
-            rows = pid_m * BM + tl.arange(0, BM)[:, None]
-            mask = (rows < m) & (cols < n)
-            v = tl.load(x + rows * stride_m + cols * stride_n, mask=mask, other=0.0)
-            v = v.to(tl.float32)
-            amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
-            nans = tl.sum(tl.sum((v != v).to(tl.int32), axis=1), axis=0)
-        else:  # SUB rows at a time: the amax, then the values read again (from the cache)
-            amax, nans = 0.0, 0
-            for r in tl.static_range(0, BM, SUB):
-                rows = pid_m * BM + r + tl.arange(0, SUB)[:, None]
-                mask = (rows < m) & (cols < n)
-                v = tl.load(x + rows * stride_m + cols * stride_n, mask=mask, other=0.0)
-                v = v.to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
-                nans += tl.sum(tl.sum((v != v).to(tl.int32), axis=1), axis=0)
-        sf = tl.maximum(amax, 1e-4) * inv_max
+        mask = (rows < m) & (cols < n)
+        v = tl.load(x + rows * stride_m + cols * stride_n, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(v), axis=1), axis=0), 1e-4)
+        sf = amax * inv_max
         if UE8M0:
             sf = libdevice.exp2(tl.ceil(libdevice.log2(sf)))
+        nans = tl.sum(tl.sum((v != v).to(tl.int32), axis=1), axis=0)
         sf = tl.where(nans > 0, float("nan"), sf)
         inv = tl.math.div_rn(1.0, sf)
-        if SUB == BM:
-            tl.store(q + rows * n + cols, (v * inv).to(tl.float8e4nv), mask=mask)
-        else:
-            for r in tl.static_range(0, BM, SUB):
-                rows = pid_m * BM + r + tl.arange(0, SUB)[:, None]
-                mask = (rows < m) & (cols < n)
-                v = tl.load(x + rows * stride_m + cols * stride_n, mask=mask, other=0.0)
-                tl.store(q + rows * n + cols, (v.to(tl.float32) * inv).to(tl.float8e4nv),
-                         mask=mask)
+        tl.store(q + rows * n + cols, (v * inv).to(tl.float8e4nv), mask=mask)
         tl.store(s + pid_m * blocks_n + pid_n, sf)
         # a non-finite block marks two int64 words (`marks`: their addresses, then the first's
         # base value, to which the tensor's index is added, then the second's value)
@@ -156,7 +135,7 @@ def launch(addrs: torch.Tensor, count: int, aligns: tuple[int, int], like: torch
             _pointer(bases[1], torch.float32, like.device), m, n, like.stride(0),
             like.stride(1), blocks[1], _INV_FP8_MAX)
     consts = dict(IN=_IN[like.dtype], BM=bm, BN=bn, UE8M0=ue8m0, ALIGN=aligns[0],
-                  Q_ALIGN=aligns[1], SUB=min(SUB_ROWS, bm), num_warps=NUM_WARPS)
+                  Q_ALIGN=aligns[1], num_warps=8)
     # CPU tensors: Triton's interpreter (TRITON_INTERPRET=1), for tests without a GPU
     with torch.cuda.device(like.device) if like.is_cuda else contextlib.nullcontext():
         _quantize_blocks[(count, *blocks)](*args, **consts)
