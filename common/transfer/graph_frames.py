@@ -58,23 +58,19 @@ class _Captured:
     broadcast too (else the frame's broadcast is started eagerly after the replay)."""
 
     __slots__ = ("graph", "kernels", "header", "event", "nbytes", "broadcasts", "checked",
-                 "tables", "frame", "sub", "header_at")
+                 "tables", "frame", "readers", "header_at")
 
     def __init__(self, graph: torch.cuda.CUDAGraph, kernels: list, header: BufferKernel,
                  event: torch.cuda.Event, frame: tuple, broadcasts: bool) -> None:
         self.graph, self.kernels, self.header = graph, kernels, header
         self.event, self.broadcasts = event, broadcasts
-        self.frame, self.nbytes = frame[:2], frame[0].numel()  # (wire, payload), bytes moved
-        self.sub = frame[2]  # the broadcast's subgroup (None: the whole group)
+        # (wire, payload, the broadcast's subgroup or None: the whole group), bytes moved
+        self.frame, self.nbytes = frame, frame[0].numel()
+        self.readers = [k for _, k in kernels] + [header]  # whose staging tables it reads
         # the last sources' addresses found fit for the graph (bytes) and each kernel's table
         self.checked: bytes | None = None
         self.tables: list[tuple[BufferKernel, np.ndarray, bytes]] = []
         self.header_at = 0  # the header row's address staged in `header`'s table
-
-    @property
-    def readers(self) -> list[BufferKernel]:
-        """The kernels whose staging tables a replay reads."""
-        return [k for _, k in self.kernels] + [self.header]
 
 
 class _Run:
@@ -149,7 +145,7 @@ class GraphFrames:
             self.flush()
             self._launch(entry.graph, entry.event, entry.readers)
             self.replays += 1
-            return self.group.broadcast(entry.frame[0], self.group.rank, entry.sub)
+            return self.group.broadcast(entry.frame[0], self.group.rank, entry.frame[2])
         self.group.count_moved(entry.nbytes)
         work = ReplayWork()
         self._pending.append((key, entry, work))
@@ -232,7 +228,7 @@ class GraphFrames:
     def _capture_run(self, entries: list[_Captured]) -> _Run | None:
         """One graph of `entries`' frames in order, or None (each replays its own)."""
         try:
-            graph = self._record([(e.kernels, e.header, (*e.frame, e.sub)) for e in entries],
+            graph = self._record([(e.kernels, e.header, e.frame) for e in entries],
                                  broadcasts=True)
         except Exception as e:  # noqa: BLE001 - the frames still go, each by its own graph
             log.warning("%s: %d frames could not be captured as one CUDA graph, each goes by "
