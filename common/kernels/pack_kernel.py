@@ -2,9 +2,10 @@
 
 A foreach copy of thousands of small tensors launches many kernels that each carry few
 tensors; one kernel over a pointer table copies every tensor of a bucket in one launch. The
-buffer side (offsets, sizes) is fixed by the plan, so the chunk table is built once; each call
-only uploads the other side's pointers, and after the first call of a bucket that upload and
-the launch replay as one CUDA graph. The same kernel packs the sender's tensors into the buffer
+buffer side (offsets, sizes) is fixed by the plan, so the chunk table is built once; the other
+side's pointers are uploaded only when they change (a source whose tensors stay put uploads
+them once), and after the first call of a bucket the launch replays as a CUDA graph. The same
+kernel packs the sender's tensors into the buffer
 and scatters a received buffer into the engine's params (`scatter=True`). Where every address and
 size is 16-byte aligned the kernel is told so (`VEC`) and moves 16-byte words: addresses loaded
 from memory otherwise leave Triton assuming one-element alignment.
@@ -96,13 +97,14 @@ class BufferKernel:
         self.sizes = torch.tensor(sizes, dtype=torch.int64, device=dev)
         self.chunk_slot = torch.tensor(slots, dtype=torch.int32, device=dev)
         self.chunk_start = torch.tensor(starts, dtype=torch.int64, device=dev)
-        # The pointers go up through a pinned staging table, non-blocking: a pageable upload
-        # would wait for the stream (the previous bucket's kernel), so the host could not
-        # prepare the next bucket meanwhile. `uploaded` guards the staging table's reuse.
+        # The pointers go up through a pinned staging table, non-blocking, when they change: a
+        # pageable upload would wait for the stream (the previous bucket's kernel), so the host
+        # could not prepare the next bucket meanwhile. `uploaded` guards the staging table's
+        # reuse; the upload is ordered on the stream after the launches that read the last one.
         self.host_ptrs = torch.empty(len(sizes), dtype=torch.int64, pin_memory=True)
         self.ptrs = torch.empty(len(sizes), dtype=torch.int64, device=dev)
         self.host_table = self.host_ptrs.numpy()
-        self.staged: bytes | None = None  # the staging table's bytes (`stage`)
+        self.staged: bytes | None = None  # the device table's bytes (`stage`)
         self.uploaded = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}  # per VEC, captured on first use
         self.home = np.array([base + o for o in offsets], dtype=np.int64)  # the slots' addresses
@@ -127,13 +129,18 @@ class BufferKernel:
                 self._replay_or_launch(vec)
 
     def stage(self, table: np.ndarray, key: bytes) -> None:
-        """Put `table` (`key`: its bytes) in the pinned staging table the next upload reads,
-        once the last upload has read it; a table equal to the staged one is left as it is,
-        with no wait (a source whose tensors stay put stages its addresses once)."""
+        """Make `table` (`key`: its bytes) the pointer table the next launches read: written
+        into the pinned staging table once the last upload has read it, then uploaded on the
+        current stream (after the launches already queued, which read the last table). A table
+        equal to the staged one is left as it is: no upload, no wait (a source whose tensors
+        stay put stages its addresses once, and a graph of its frames holds the kernels
+        alone)."""
         if key != self.staged:
             self.uploaded.synchronize()  # the last upload from the staging table has been read
             self.host_table[:] = table
             self.staged = key
+            self.ptrs.copy_(self.host_ptrs, non_blocking=True)
+            self.uploaded.record(current_stream(self.device_index))
 
     def vec_for(self, address_bits: int) -> int:
         """The 16-byte word count the kernel may use for addresses whose bitwise or is
@@ -147,21 +154,19 @@ class BufferKernel:
             self.launch(vec)  # the first launch also compiles the kernel
             if vec not in self.graphs:
                 self.graphs[vec] = self._capture(vec)
-        self.uploaded.record(current_stream(self.device_index))
 
     def launch(self, vec: int) -> None:
-        """Upload the staging table's pointers and copy (eagerly, or into a graph being
-        captured: it reads the staging table when it runs)."""
-        self.ptrs.copy_(self.host_ptrs, non_blocking=True)
+        """Copy between the slots and the addresses of the device table (eagerly, or into a
+        graph being captured: it reads the table when it runs)."""
         _copy_chunks[(self.chunk_slot.numel(),)](
             self.ptrs, self.buf, self.buf_offs, self.sizes, self.chunk_slot, self.chunk_start,
             BLOCK=self.block, VEC=vec, ALIGN=vec * self.unit, SCATTER=self.scatter,
             num_warps=NUM_WARPS)
 
     def _capture(self, vec: int) -> torch.cuda.CUDAGraph | None:
-        """The upload and the launch as one CUDA graph (it reads the staging table when it
-        runs): a replay costs a fraction of a Triton launch's host time, once per bucket per
-        refit. None where capture fails: launches stay eager."""
+        """The launch as a CUDA graph (it reads the device table when it runs): a replay
+        costs a fraction of a Triton launch's host time, once per bucket per refit. None where
+        capture fails: launches stay eager."""
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(torch.cuda.Stream()):  # capture never runs on a live stream

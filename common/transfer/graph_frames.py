@@ -3,15 +3,15 @@
 On CUDA a bucket's sender time is host time: the pack kernels' graph replay and its event, the
 header's device copy, ProcessGroupNCCL's broadcast call and its Work, tens of microseconds each
 against tens of microseconds of device work for a 64 MiB bucket. Captured once per bucket, all of
-it is one replay: the pack kernels read the sources' addresses from their pinned staging tables
-(written only when the addresses change: a source whose tensors stay put stages them once),
-one more kernel copies the frame's header from the refit's header table (the row's address is
-staged like a source's), the checksum (when on) is stamped on the device, and the broadcast was
-captured on the capturing stream (on the frame's subgroup for a need-set's whole frame). A few
-consecutive frames go as one graph (a run), one launch for all. A replay is waited for through
-an event recorded behind it, polled with the refit timeout like a collective's Work; a dead
-peer leaves the replayed broadcast waiting on the GPU until the timeout aborts the
-communicator, as with an eager one. The
+it is one replay: the pack kernels read the sources' addresses from their device tables
+(uploaded before the launch, only when the addresses change: a source whose tensors stay put
+uploads them once, and its replays hold kernels alone), one more kernel copies the frame's
+header from the refit's header table (the row's address is staged like a source's), the
+checksum (when on) is stamped on the device, and the broadcast was captured on the capturing
+stream (on the frame's subgroup for a need-set's whole frame). A few consecutive frames go as
+one graph (a run), one launch for all. A replay is waited for through an event recorded behind
+it, polled with the refit timeout like a collective's Work; a dead peer leaves the replayed
+broadcast waiting on the GPU until the timeout aborts the communicator, as with an eager one. The
 receivers' eager broadcasts pair with the replayed ones: every rank keeps the plan's order.
 
 Only whole frames from their source go this way (not a direct bucket, a compact frame, a delta
@@ -58,7 +58,7 @@ class _Captured:
     broadcast too (else the frame's broadcast is started eagerly after the replay)."""
 
     __slots__ = ("graph", "kernels", "header", "event", "nbytes", "broadcasts", "checked",
-                 "tables", "frame", "readers", "header_at")
+                 "tables", "frame", "header_at")
 
     def __init__(self, graph: torch.cuda.CUDAGraph, kernels: list, header: BufferKernel,
                  event: torch.cuda.Event, frame: tuple, broadcasts: bool) -> None:
@@ -66,7 +66,6 @@ class _Captured:
         self.event, self.broadcasts = event, broadcasts
         # (wire, payload, the broadcast's subgroup or None: the whole group), bytes moved
         self.frame, self.nbytes = frame, frame[0].numel()
-        self.readers = [k for _, k in kernels] + [header]  # whose staging tables it reads
         # the last sources' addresses found fit for the graph (bytes) and each kernel's table
         self.checked: bytes | None = None
         self.tables: list[tuple[BufferKernel, np.ndarray, bytes]] = []
@@ -76,10 +75,10 @@ class _Captured:
 class _Run:
     """Consecutive frames captured as one graph (one launch for all of them)."""
 
-    __slots__ = ("graph", "event", "readers")
+    __slots__ = ("graph", "event")
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, readers: list[BufferKernel]) -> None:
-        self.graph, self.event, self.readers = graph, torch.cuda.Event(), readers
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph, self.event = graph, torch.cuda.Event()
 
 
 class GraphFrames:
@@ -135,7 +134,7 @@ class GraphFrames:
                 return None  # sources aligned for another variant than the captured one
             entry.checked = addresses
             entry.tables = [(k, table.copy(), table.tobytes()) for k, table, _ in tables]
-        for kernel, table, table_key in entry.tables:  # waits for its last reader if changed
+        for kernel, table, table_key in entry.tables:  # uploaded if changed
             kernel.stage(table, table_key)
         if header_address != entry.header_at:  # the refit's header table stays put
             header = np.array([header_address], np.int64)
@@ -143,7 +142,7 @@ class GraphFrames:
             entry.header_at = header_address
         if not entry.broadcasts:
             self.flush()
-            self._launch(entry.graph, entry.event, entry.readers)
+            self._launch(entry.graph, entry.event)
             self.replays += 1
             return self.group.broadcast(entry.frame[0], self.group.rank, entry.frame[2])
         self.group.count_moved(entry.nbytes)
@@ -167,12 +166,12 @@ class GraphFrames:
             if (run := self._runs.get(keys, _Run)) is _Run:
                 run = self._runs[keys] = self._capture_run([e for _, e, _ in pending])
         if run is not None:
-            self._launch(run.graph, run.event, run.readers)
+            self._launch(run.graph, run.event)
             for _, _, work in pending:
                 work.event = run.event
             return
         for _, entry, work in pending:
-            self._launch(entry.graph, entry.event, entry.readers)
+            self._launch(entry.graph, entry.event)
             work.event = entry.event
 
     def start_refit(self, replans: int) -> None:
@@ -183,18 +182,14 @@ class GraphFrames:
         if replans != self._replans:
             self._graphs, self._runs, self._replans = {}, {}, replans
 
-    def _launch(self, graph: torch.cuda.CUDAGraph, event: torch.cuda.Event,
-                readers: list[BufferKernel]) -> None:
-        """Replay `graph` and record `event` behind it, the event its staging tables' next
-        writer waits for."""
+    def _launch(self, graph: torch.cuda.CUDAGraph, event: torch.cuda.Event) -> None:
+        """Replay `graph` and record `event` behind it (its frames' completion)."""
         if torch._C._cuda_getDevice() == self.device_index:
             graph.replay()
         else:
             with torch.cuda.device(self.device_index):
                 graph.replay()
         event.record(current_stream(self.device_index))
-        for kernel in readers:
-            kernel.uploaded = event
         self.launches += 1
 
     def _capture(self, layout: BucketLayout, frame: tuple) -> _Captured | None:
@@ -208,8 +203,6 @@ class GraphFrames:
         header.warm()  # compiles it (the header copied onto itself)
         if self.checksums:
             checksum.stamp(wire, payload)  # compiles the hash kernel outside the capture
-        for _, kernel in [*kernels, (None, header)]:
-            kernel.uploaded.synchronize()
         for broadcasts in ((True, False) if self.failure is None else (False,)):
             try:
                 graph = self._record([(kernels, header, frame)], broadcasts)
@@ -234,7 +227,7 @@ class GraphFrames:
             log.warning("%s: %d frames could not be captured as one CUDA graph, each goes by "
                         "its own: %s", self.group.label, len(entries), e)
             return None
-        return _Run(graph, [k for e in entries for k in e.readers])
+        return _Run(graph)
 
     def _record(self, frames: list[tuple], broadcasts: bool) -> torch.cuda.CUDAGraph:
         """A graph of `frames` (kernels, header kernel, (wire, payload, subgroup)) in order."""
