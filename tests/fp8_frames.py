@@ -33,7 +33,9 @@ def frames_hold_the_quantizers_bytes(device: str, graph_send: bool = False) -> i
     are, bit for bit, and the source handed over some buckets by address (on a GPU: filled
     straight into the frames). Then a refit with a NaN in one expert fails naming it, its
     frame's header not OK (on a GPU the kernel marked it NONFINITE; elsewhere the sender sent
-    an ABORT before it), and the next refit lands. Returns how many tensors were checked."""
+    an ABORT before it), and the next refit lands; new values at the same addresses (on a
+    GPU the fills replay their graphs) land bit for bit too. Returns how many tensors were
+    checked."""
     weights = {n: t.to(device) for n, t in bf16_weights(1).items()}
     targets = Fp8Targets(BlockFp8Format(), frozenset(n for n in weights if is_target(n)))
     source = Fp8Source(DictWeightSource(weights), targets)
@@ -41,26 +43,38 @@ def frames_hold_the_quantizers_bytes(device: str, graph_send: bool = False) -> i
     buckets = len(RefitPlan.build(source.plan_specs(), config).buckets)
     plan = RefitPlan.build(source.plan_specs(), RefitConfig(
         bucket_bytes=32 << 10, num_buffers=buckets, graph_send=graph_send, timeout_s=60))
-    want = dict(weights)
-    for name in targets.names:
-        want[name], want[scale_name(name)] = quantize(name, weights[name], targets.fmt)
     group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
                        num_trainers=1, timeout_s=60, device=device)
     try:
         sender = RefitSender.setup(group, plan)
         sender.refit(source, 1)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        checked = 0
-        for bucket in (b for b in plan.buckets if not b.direct):
-            for name, got in sender.layouts[bucket.index].unpack():
-                assert torch.equal(got.view(torch.uint8), want[name].view(torch.uint8)), name
-                checked += 1
+        checked = _frames_checked(sender, weights, targets)
         bad = sorted(targets.names)[-1]
         _nan_refit_is_refused(sender, source, weights, bad)
+        for tensor in weights.values():
+            tensor.mul_(-2)  # exact in bf16
+        sender.refit(source, 4)
+        checked += _frames_checked(sender, weights, targets)
     finally:
         group.destroy()
-    assert source.by_address > 1 and checked > len(targets.names), (source.by_address, checked)
+    assert source.by_address > 1 and checked > 2 * len(targets.names), (source.by_address,
+                                                                          checked)
+    return checked
+
+
+def _frames_checked(sender: RefitSender, weights: dict, targets: Fp8Targets) -> int:
+    """Every frame of the last refit holds `weights` as the FP8 checkpoint has them (targets
+    quantized, the rest as they are), bit for bit; how many tensors."""
+    if next(iter(weights.values())).is_cuda:
+        torch.cuda.synchronize()
+    want = dict(weights)
+    for name in targets.names:
+        want[name], want[scale_name(name)] = quantize(name, weights[name], targets.fmt)
+    checked = 0
+    for bucket in (b for b in sender.plan.buckets if not b.direct):
+        for name, got in sender.layouts[bucket.index].unpack():
+            assert torch.equal(got.view(torch.uint8), want[name].view(torch.uint8)), name
+            checked += 1
     return checked
 
 

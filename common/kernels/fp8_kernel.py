@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from common.kernels.device_table import DeviceTable, capture_graph
 
 try:
     import triton
@@ -118,49 +121,119 @@ def offsets(at: np.ndarray, itemsize: int) -> tuple[int, np.ndarray]:
     return base, (at - base) // itemsize
 
 
-def launch(addrs: torch.Tensor, count: int, aligns: tuple[int, int], like: torch.Tensor,
+class Like(NamedTuple):
+    """What one launch's tensors share (shape, strides, dtype, device), without holding one."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def like(x: torch.Tensor) -> Like:
+    return Like(tuple(x.shape), x.stride(), x.dtype, x.device)
+
+
+def launch(addrs: torch.Tensor, count: int, aligns: tuple[int, int], like: Like,
            block: tuple[int, int], ue8m0: bool, marks: torch.Tensor,
            bases: tuple[int, int]) -> None:
-    """Quantize `count` tensors (each of `like`'s shape, strides and dtype; their input
-    addresses a multiple of `aligns[0]` bytes) into contiguous e4m3 values and float32
-    scale_inv blocks [blocks_m, blocks_n]. `addrs`: on the device, the inputs' addresses,
-    then the values' offsets from `bases[0]` (multiples of `aligns[1]`), then the scales'
-    from `bases[1]` in float32 elements (`offsets`; a slice of a larger upload).
-    `marks`: on the device, two int64 words' addresses, a base and a value: a tensor with a
-    non-finite block writes base + its index into the first, value into the second (and its
-    scales hold NaN or inf)."""
+    """Quantize `count` tensors (each like `like`; their input addresses a multiple of
+    `aligns[0]` bytes) into contiguous e4m3 values and float32 scale_inv blocks [blocks_m,
+    blocks_n]. `addrs`: on the device, the inputs' addresses, then the values' offsets from
+    `bases[0]` (multiples of `aligns[1]`), then the scales' from `bases[1]` in float32
+    elements (`offsets`; a slice of a larger upload). `marks`: on the device, two int64 words'
+    addresses, a base and a value: a tensor with a non-finite block writes base + its index
+    into the first, value into the second (and its scales hold NaN or inf)."""
     (m, n), (bm, bn) = like.shape, block
     blocks = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     args = (addrs, count, marks, _pointer(bases[0], torch.float8_e4m3fn, like.device),
-            _pointer(bases[1], torch.float32, like.device), m, n, like.stride(0),
-            like.stride(1), blocks[1], _INV_FP8_MAX)
+            _pointer(bases[1], torch.float32, like.device), m, n, *like.strides,
+            blocks[1], _INV_FP8_MAX)
     consts = dict(IN=_IN[like.dtype], BM=bm, BN=bn, UE8M0=ue8m0, ALIGN=aligns[0],
                   Q_ALIGN=aligns[1], num_warps=8)
     # CPU tensors: Triton's interpreter (TRITON_INTERPRET=1), for tests without a GPU
-    with torch.cuda.device(like.device) if like.is_cuda else contextlib.nullcontext():
+    cuda = like.device.type == "cuda"
+    with torch.cuda.device(like.device) if cuda else contextlib.nullcontext():
         _quantize_blocks[(count, *blocks)](*args, **consts)
 
 
-def launch_groups(likes: list[torch.Tensor], counts: list[int],
-                  at: tuple[np.ndarray, np.ndarray, np.ndarray], marks: np.ndarray,
-                  block: tuple[int, int], ue8m0: bool) -> None:
-    """One `launch` per group of `counts[g]` tensors like `likes[g]`, from and to the
-    addresses in `at` (inputs, e4m3 values, scales; the groups one after another), group g
-    marking as `marks[g]` says (flag address, status address, base, value); every table in
-    one upload."""
+def launch_table(at: tuple[np.ndarray, np.ndarray, np.ndarray], marks: np.ndarray,
+                 counts: list[int]) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
+    """The table of one `launch` per group of `counts[g]` tensors, from and to the addresses
+    in `at` (inputs, e4m3 values, scales; the groups one after another), group g marking as
+    `marks[g]` says (flag address, status address, base, value): per group its inputs, its
+    values' and scales' offsets and its marks; the bases of those offsets and the inputs' and
+    values' alignments."""
     (q_base, q_off), (s_base, s_off) = offsets(at[1], 1), offsets(at[2], 4)
     tables, first = [], 0
     for count, row in zip(counts, marks, strict=True):
         part = slice(first, first + count)
         tables += [at[0][part], q_off[part], s_off[part], row]
         first += count
-    table = upload(np.concatenate(tables), likes[0].device)
-    aligns, offset = (alignment(at[0]), alignment(q_off)), 0
-    for like, count in zip(likes, counts, strict=True):
+    return (np.concatenate(tables), (q_base, s_base),
+            (alignment(at[0]), alignment(q_off)))
+
+
+def launch_all(table: torch.Tensor, likes: list[Like], counts: list[int],
+               bases: tuple[int, int], aligns: tuple[int, int], block: tuple[int, int],
+               ue8m0: bool) -> None:
+    """One `launch` per group, reading the `launch_table` uploaded as `table`."""
+    offset = 0
+    for like_, count in zip(likes, counts, strict=True):
         end = offset + 3 * count
-        launch(table[offset:end], count, aligns, like, block, ue8m0, table[end:end + 4],
-               (q_base, s_base))
+        launch(table[offset:end], count, aligns, like_, block, ue8m0, table[end:end + 4],
+               bases)
         offset = end + 4
+
+
+def launch_groups(likes: list[torch.Tensor], counts: list[int],
+                  at: tuple[np.ndarray, np.ndarray, np.ndarray], marks: np.ndarray,
+                  block: tuple[int, int], ue8m0: bool) -> None:
+    """One `launch` per group of `counts[g]` tensors like `likes[g]` (`launch_table`), every
+    table in one upload."""
+    table, bases, aligns = launch_table(at, marks, counts)
+    launch_all(upload(table, likes[0].device), list(map(like, likes)), counts, bases, aligns,
+               block, ue8m0)
+
+
+class QuantizeLaunches:
+    """The launches of one set of groups (`counts[g]` tensors like `likes[g]`) whose addresses
+    mostly stay put (a frame's slots, a dict's tensors): on CUDA their table lives on the
+    device, uploaded when it changes (`DeviceTable`), and they replay as one CUDA graph per
+    pair of bases (a few at most; beyond, eager launches). Elsewhere (Triton's interpreter)
+    each run uploads its table and launches."""
+
+    MAX_GRAPHS = 4
+
+    def __init__(self, likes: list[Like], counts: list[int], block: tuple[int, int],
+                 ue8m0: bool) -> None:
+        self.likes, self.counts, self.block, self.ue8m0 = likes, counts, block, ue8m0
+        device = likes[0].device
+        self.table = (DeviceTable(sum(3 * c + 4 for c in counts), device)
+                      if device.type == "cuda" else None)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}
+
+    def run(self, at: tuple[np.ndarray, np.ndarray, np.ndarray], marks: np.ndarray) -> None:
+        """Quantize from and to the addresses `at`, marking as `marks` says (`launch_table`)."""
+        table, bases, aligns = launch_table(at, marks, self.counts)
+        if self.table is None:
+            launch_all(upload(table, self.likes[0].device), self.likes, self.counts, bases,
+                       aligns, self.block, self.ue8m0)
+            return
+        self.table.stage(table, table.tobytes())
+        key = (bases, aligns)
+
+        def launch_now() -> None:
+            launch_all(self.table.words, self.likes, self.counts, bases, aligns, self.block,
+                       self.ue8m0)
+
+        with torch.cuda.device(self.table.device_index):
+            if (graph := self.graphs.get(key)) is not None:
+                graph.replay()
+                return
+            launch_now()  # the first launch also compiles the kernel
+            if key not in self.graphs and len(self.graphs) < self.MAX_GRAPHS:
+                self.graphs[key] = capture_graph(launch_now, "FP8 quantize")
 
 
 def quantize(x: torch.Tensor, block: tuple[int, int],

@@ -13,11 +13,12 @@ from memory otherwise leave Triton assuming one-element alignment.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from common.kernels.device_table import DeviceTable, capture_graph
 
 try:
     import triton
@@ -25,8 +26,6 @@ try:
 except ImportError:  # pragma: no cover - machines without Triton use the foreach copy
     triton = None
 
-log = logging.getLogger(__name__)
-_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}  # `current_stream`'s objects
 BLOCK = 4096  # copy units per program
 NUM_WARPS = 8  # per program
 _UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -62,16 +61,6 @@ def kernel_available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
-def current_stream(device_index: int) -> torch.cuda.Stream:
-    """The current stream of device `device_index`, its Python object made once per stream
-    (`torch.cuda.current_stream()` builds one per call, a share of a bucket's host time)."""
-    stream_id, index, kind = torch._C._cuda_getCurrentStream(device_index)
-    if (stream := _STREAMS.get((stream_id, index))) is None:
-        stream = _STREAMS[stream_id, index] = torch.cuda.Stream(
-            stream_id=stream_id, device_index=index, device_type=kind)
-    return stream
-
-
 class BufferKernel:
     """Chunk table for slots of `buffer` copied in `unit`-byte words; `run(ptrs)` copies each
     slot from (`scatter=False`: the pack) or to (`scatter=True`) the address in `ptrs`."""
@@ -97,15 +86,7 @@ class BufferKernel:
         self.sizes = torch.tensor(sizes, dtype=torch.int64, device=dev)
         self.chunk_slot = torch.tensor(slots, dtype=torch.int32, device=dev)
         self.chunk_start = torch.tensor(starts, dtype=torch.int64, device=dev)
-        # The pointers go up through a pinned staging table, non-blocking, when they change: a
-        # pageable upload would wait for the stream (the previous bucket's kernel), so the host
-        # could not prepare the next bucket meanwhile. `uploaded` guards the staging table's
-        # reuse; the upload is ordered on the stream after the launches that read the last one.
-        self.host_ptrs = torch.empty(len(sizes), dtype=torch.int64, pin_memory=True)
-        self.ptrs = torch.empty(len(sizes), dtype=torch.int64, device=dev)
-        self.host_table = self.host_ptrs.numpy()
-        self.staged: bytes | None = None  # the device table's bytes (`stage`)
-        self.uploaded = torch.cuda.Event()
+        self.ptrs = DeviceTable(len(sizes), dev)  # the other side's addresses, by slot
         self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}  # per VEC, captured on first use
         self.home = np.array([base + o for o in offsets], dtype=np.int64)  # the slots' addresses
 
@@ -121,26 +102,12 @@ class BufferKernel:
         if not self.chunk_slot.numel():
             return
         vec = self.vec_for(address_bits)
-        self.stage(ptrs, ptrs.tobytes())
+        self.ptrs.stage(ptrs, ptrs.tobytes())
         if torch._C._cuda_getDevice() == self.device_index:
             self._replay_or_launch(vec)
         else:  # Triton launches on the current device
             with torch.cuda.device(self.device_index):
                 self._replay_or_launch(vec)
-
-    def stage(self, table: np.ndarray, key: bytes) -> None:
-        """Make `table` (`key`: its bytes) the pointer table the next launches read: written
-        into the pinned staging table once the last upload has read it, then uploaded on the
-        current stream (after the launches already queued, which read the last table). A table
-        equal to the staged one is left as it is: no upload, no wait (a source whose tensors
-        stay put stages its addresses once, and a graph of its frames holds the kernels
-        alone)."""
-        if key != self.staged:
-            self.uploaded.synchronize()  # the last upload from the staging table has been read
-            self.host_table[:] = table
-            self.staged = key
-            self.ptrs.copy_(self.host_ptrs, non_blocking=True)
-            self.uploaded.record(current_stream(self.device_index))
 
     def vec_for(self, address_bits: int) -> int:
         """The 16-byte word count the kernel may use for addresses whose bitwise or is
@@ -153,29 +120,13 @@ class BufferKernel:
         else:
             self.launch(vec)  # the first launch also compiles the kernel
             if vec not in self.graphs:
-                self.graphs[vec] = self._capture(vec)
+                self.graphs[vec] = capture_graph(lambda: self.launch(vec), "pack kernel")
 
     def launch(self, vec: int) -> None:
         """Copy between the slots and the addresses of the device table (eagerly, or into a
         graph being captured: it reads the table when it runs)."""
         _copy_chunks[(self.chunk_slot.numel(),)](
-            self.ptrs, self.buf, self.buf_offs, self.sizes, self.chunk_slot, self.chunk_start,
+            self.ptrs.words, self.buf, self.buf_offs, self.sizes, self.chunk_slot,
+            self.chunk_start,
             BLOCK=self.block, VEC=vec, ALIGN=vec * self.unit, SCATTER=self.scatter,
             num_warps=NUM_WARPS)
-
-    def _capture(self, vec: int) -> torch.cuda.CUDAGraph | None:
-        """The launch as a CUDA graph (it reads the device table when it runs): a replay
-        costs a fraction of a Triton launch's host time, once per bucket per refit. None where
-        capture fails: launches stay eager."""
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.stream(torch.cuda.Stream()):  # capture never runs on a live stream
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self.launch(vec)
-                finally:
-                    graph.capture_end()
-        except RuntimeError as e:
-            log.warning("pack kernel: CUDA graph capture failed, launching eagerly: %s", e)
-            return None
-        return graph

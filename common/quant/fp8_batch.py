@@ -230,11 +230,16 @@ def launch_into(named: list, groups: list[list[int]], fmt: BlockFp8Format,
     order), with one upload of every table. `marks` (flag, status, status value): a
     non-finite block sets the int64 flag to (group + 1) << 32 | the tensor's place in it
     (`marked_tensor`) and the status word to the value; its scales hold NaN or inf."""
-    flag, status, value = marks
-    rows = np.array([[flag, status, (g + 1) << 32, value] for g in range(len(groups))],
-                    dtype=np.int64)
     fp8_kernel.launch_groups([named[idx[0]][1] for idx in groups], list(map(len, groups)), at,
-                             rows, fmt.block, fmt.ue8m0)
+                             marks_rows(len(groups), marks), fmt.block, fmt.ue8m0)
+
+
+def marks_rows(groups: int, marks: tuple[int, int, int]) -> np.ndarray:
+    """Each group's marks (`fp8_kernel.launch_table`) from (flag, status, status value): the
+    flag set to (group + 1) << 32 | the tensor's place in it, for `marked_tensor`."""
+    flag, status, value = marks
+    return np.array([[flag, status, (g + 1) << 32, value] for g in range(groups)],
+                    dtype=np.int64)
 
 
 def marked_tensor(groups: list[list[int]], flag: int) -> int | None:

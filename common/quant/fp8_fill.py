@@ -6,7 +6,10 @@ contiguous on one GPU, the kernel able to take every target) goes to the sender 
 `PreparedBucket` with a `fill`: when the sender packs the frame it hands over the frame's slot
 addresses and the frame header's status word, and one launch per shape writes each target's
 e4m3 values and scales into their slots (a scale whose slot is in a later bucket into a tensor
-of the source's, which that bucket packs by address). The pack kernel copies the rest.
+of the source's, which that bucket packs by address). The pack kernel copies the rest. The
+launches are kept per bucket from one refit to the next (`FillState`): where the addresses stay
+put (a dict's tensors, the frames' slots) their table is uploaded once and they replay as a
+CUDA graph, so a bucket's fill costs the host one replay, not a Triton launch per shape.
 
 A non-finite weight cannot be refused before its bytes are in the frame without waiting for
 the device, so the kernel marks it: the header's status becomes NONFINITE (receivers load
@@ -23,7 +26,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from common.quant.fp8_batch import launch_into, launchable, marked_tensor, quantize_batch
+from common.kernels import fp8_kernel
+from common.quant.fp8_batch import launchable, marked_tensor, marks_rows, quantize_batch
 from common.quant.fp8_blocks import BlockFp8Format
 from common.source import PreparedBucket
 
@@ -31,12 +35,17 @@ from common.source import PreparedBucket
 class FillFlags:
     """One int64 word per bucket of a refit, set by a non-finite block of its fill. Read
     back once per set of fills launched (a read waits for the stream): the sender checks
-    every frame after its last."""
+    every frame after its last. Zeroed (`reset`) when a refit's first fill comes."""
 
     def __init__(self, buckets: int, device: torch.device) -> None:
         self.words = torch.zeros(buckets, dtype=torch.int64, device=device)
         self.launched = 0  # fills so far
         self._host: tuple[int, np.ndarray] | None = None  # (fills then, the words)
+
+    def reset(self) -> None:
+        """A refit starts: every word 0 again (behind the last refit's fills, on the stream)."""
+        self.words.zero_()
+        self.launched, self._host = 0, None
 
     def address(self, bucket: int) -> int:
         return self.words.data_ptr() + 8 * bucket
@@ -47,6 +56,34 @@ class FillFlags:
         return int(self._host[1][bucket])
 
 
+class FillState:
+    """What an FP8 source's fills keep from one refit to the next (one per plan and device),
+    so that a bucket's addresses stay put: the flags, the scales sent with a later bucket than
+    their weight's, and each bucket's launches (`fp8_kernel.QuantizeLaunches`: a table uploaded
+    once, launches replayed as a CUDA graph)."""
+
+    def __init__(self, buckets: int, device: torch.device) -> None:
+        self.flags = FillFlags(buckets, device)
+        self._later: dict[str, torch.Tensor] = {}
+        self._launches: dict[int, fp8_kernel.QuantizeLaunches] = {}
+
+    def later_scale(self, name: str, shape: tuple[int, int],
+                    device: torch.device) -> torch.Tensor:
+        """Scale `name`'s tensor (the fill writes it, a later bucket sends it)."""
+        if (s := self._later.get(name)) is None or s.shape != shape or s.device != device:
+            s = self._later[name] = torch.empty(shape, dtype=torch.float32, device=device)
+        return s
+
+    def launches(self, bucket: int, targets: list, groups: list[list[int]],
+                 fmt: BlockFp8Format) -> fp8_kernel.QuantizeLaunches:
+        """Bucket `bucket`'s launches, one per group of `targets` (made on its first fill)."""
+        if (known := self._launches.get(bucket)) is None:
+            known = self._launches[bucket] = fp8_kernel.QuantizeLaunches(
+                [fp8_kernel.like(targets[g[0]][1]) for g in groups], list(map(len, groups)),
+                fmt.block, fmt.ue8m0)
+        return known
+
+
 def fillable(targets: list[tuple[str, torch.Tensor]], groups, fmt: BlockFp8Format) -> bool:
     """Whether the kernel takes every group of the bucket's targets (each group's tensors
     share a shape and dtype: the plan's groups, the native scan checked them)."""
@@ -54,12 +91,12 @@ def fillable(targets: list[tuple[str, torch.Tensor]], groups, fmt: BlockFp8Forma
 
 
 def fill_bucket(layout, got: list, targets: list, inner_at: np.ndarray, scales: dict,
-                flags: FillFlags, bucket: int, fmt: BlockFp8Format) -> PreparedBucket | None:
+                state: FillState, bucket: int, fmt: BlockFp8Format) -> PreparedBucket | None:
     """The bucket (`layout`: its `Fp8Layout`; `got`: its inner items, `targets` the FP8
     ones among them, `inner_at` their addresses) as a `PreparedBucket` the sender fills; None
     when a scale of an earlier bucket's target is not a tensor (its items then say why).
     Takes that bucket's scales out of `scales` and puts this one's later scales (tensors the
-    fill writes) in."""
+    fill writes, kept in `state`) in."""
     a = layout.addressing
     carried = [scales.get(n) for _, n in a.carried_in]
     if not all(isinstance(c, torch.Tensor) for c in carried):
@@ -69,19 +106,20 @@ def fill_bucket(layout, got: list, targets: list, inner_at: np.ndarray, scales: 
     device = targets[0][1].device
     later = {}  # target -> the tensor its scale goes to (sent with a later bucket)
     for t, n in a.carried_out:
-        later[t] = scales[n] = torch.empty(fmt.scale_shape(targets[t][1].shape),
-                                           dtype=torch.float32, device=device)
+        later[t] = scales[n] = state.later_scale(n, fmt.scale_shape(targets[t][1].shape),
+                                                 device)
     ptrs = bucket_addresses(layout, inner_at, carried)
     groups, order = a.groups, a.order  # made once per plan: no Python per weight here
+    flags = state.flags
 
     def fill(slots: np.ndarray, mark: tuple[int, int]) -> Callable[[], str | None]:
         s_at = np.empty(len(targets), np.int64)
         s_at[a.scale_target] = slots[a.scale_pos]
         for t, s in later.items():
             s_at[t] = s.data_ptr()
-        launch_into(targets, groups, fmt,
-                    (inner_at[a.order_inner], slots[a.target_pos[order]], s_at[order]),
-                    (flags.address(bucket), *mark))
+        state.launches(bucket, targets, groups, fmt).run(
+            (inner_at[a.order_inner], slots[a.target_pos[order]], s_at[order]),
+            marks_rows(len(groups), (flags.address(bucket), *mark)))
         flags.launched += 1
         return lambda: _why(targets, marked_tensor(groups, flags.marked(bucket)))
 

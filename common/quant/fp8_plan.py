@@ -28,7 +28,7 @@ from common.plan import RefitPlan, TensorSpec
 from common.quant.fp8_batch import Fp8Batch, start_batch
 from common.quant.fp8_blocks import BlockFp8Format
 from common.quant.fp8_fill import (
-    FillFlags,
+    FillState,
     bucket_addresses,
     bucket_tensors,
     fill_bucket,
@@ -150,6 +150,7 @@ class Fp8Source:
         self._inner_plans: dict[str, RefitPlan] = {}
         self._layouts: dict[str, list[Fp8Layout]] = {}
         self._scans: dict[tuple, native.BucketScan] = {}  # (id(layout), device): its targets
+        self._fills: dict[tuple, FillState] = {}  # (plan digest, device): kept between refits
         self.by_address = 0  # buckets the last iteration handed over as `PreparedBucket`s
 
     def plan_specs(self) -> list[TensorSpec]:
@@ -170,7 +171,7 @@ class Fp8Source:
         self.by_address = 0
         ahead = None  # the bucket launched last: (layout, its inner items, batch, addresses)
         taken = 0  # inner items so far
-        flags = None  # the fills' non-finite flags (`FillFlags`), made with the first fill
+        state = None  # what the fills keep between refits (`FillState`), from the first fill
         layouts = self._bucket_layouts(plan)
         for index, layout in enumerate(layouts):
             got, addresses = self._take(inner, layout, taken)  # (name, tensor), in order
@@ -183,8 +184,8 @@ class Fp8Source:
                 if ahead is not None:  # its scales may be this bucket's
                     yield from self._settled(*ahead, scales)
                     ahead = None
-                flags = flags or FillFlags(len(layouts), got[0][1].device)
-                if (prepared := fill_bucket(layout, got, targets, addresses, scales, flags,
+                state = state or self._fill_state(plan, got[0][1].device)
+                if (prepared := fill_bucket(layout, got, targets, addresses, scales, state,
                                             index, self.targets.fmt)) is not None:
                     self.by_address += 1
                     yield prepared
@@ -252,6 +253,13 @@ class Fp8Source:
         for k, name in layout.scales:
             tensors[k] = scales.pop(name, None)
         yield from zip(names, tensors, strict=True)
+
+    def _fill_state(self, plan: RefitPlan, device: torch.device) -> FillState:
+        """The plan's `FillState` on `device` (made once), its flags zeroed for this refit."""
+        if (state := self._fills.get((plan.digest, device))) is None:
+            state = self._fills[plan.digest, device] = FillState(len(plan.buckets), device)
+        state.flags.reset()
+        return state
 
     def _scan(self, layout: Fp8Layout, device: torch.device) -> native.BucketScan | None:
         """The native pass over the bucket's inner items on `device` (made once per layout and

@@ -27,7 +27,8 @@ import logging
 import numpy as np
 import torch
 
-from common.kernels.pack_kernel import BufferKernel, current_stream
+from common.kernels.device_table import current_stream
+from common.kernels.pack_kernel import BufferKernel
 from common.packing import BucketLayout, kernel_tables
 from common.wire import checksum
 from common.wire.bucket_header import HEADER_BYTES
@@ -135,10 +136,10 @@ class GraphFrames:
             entry.checked = addresses
             entry.tables = [(k, table.copy(), table.tobytes()) for k, table, _ in tables]
         for kernel, table, table_key in entry.tables:  # uploaded if changed
-            kernel.stage(table, table_key)
+            kernel.ptrs.stage(table, table_key)
         if header_address != entry.header_at:  # the refit's header table stays put
             header = np.array([header_address], np.int64)
-            entry.header.stage(header, header.tobytes())
+            entry.header.ptrs.stage(header, header.tobytes())
             entry.header_at = header_address
         if not entry.broadcasts:
             self.flush()
