@@ -55,6 +55,13 @@ NOT_HELD_OUT = {"sender_sweep_h200_run2": "one H200 whose host was noisy during 
                 "1.15x at 256; MoE 1.62x at 256 MiB) and the MoE list 1.5-1.7x slower than "
                 "its calibration run minutes before predicts; held out against "
                 "gpu_h200x1_sweep_cal_run2 it gives 8 of 22 within 25%",
+                "sender_sweep_h100_run5": "one H100 whose host ran ~1.5x slower than run4's "
+                "(sender_host_h100 118 vs 76 us a bucket) and noisily: eager MoE cases with 3 "
+                "buffers 1.54x 2 at 128 MiB and 1.28x at 64; held out against "
+                "gpu_h100x1_sweep_cal_run5 it gives 21 of 22 within 25% (MoE 128 MiB 3 "
+                "buffers -37%)",
+                "sender_sweep_h100_run6": "frames by graph replay only (GRAPH_SEND=on), which "
+                "the cost model does not model",
                 "sender_sweep_h200": "measured with NCCL waits spinning 200 us, since removed: "
                 "its 2-buffer cases took 1.0-2.1x the same cases of the no-spin run made "
                 "minutes later in the same lend (sender_sweep_h200_nospin, held out)",
