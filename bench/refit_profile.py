@@ -1,0 +1,116 @@
+"""Where one refit's device time goes, against its wall time: the kernels of a few refits of a
+sweep list (world size 1, NCCL: the sender's own work) by `torch.profiler`, per kernel name its
+count and device time a refit, and how much of the refit the device was busy. A refit whose
+device is busy far less than its wall time is host-bound (`--host N`: then its N costliest
+calls by cProfile, to stderr); one whose device time exceeds the copy's is the kernels'.
+
+    python3 bench/refit_profile.py --list qwen3_30b_a3b --bucket-mib 64 --graph-send
+    python3 bench/refit_profile.py --list moe --bucket-mib 256 --fp8 --host 40
+
+The last line is one JSON object: `wall_ms`, `device_busy_ms`, `copy_ms` (one copy of the
+list's bf16 bytes), and `kernels` (name -> [count, ms] a refit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from broadcast_bench import DEFAULT_MODEL_SCALE, sync
+from fp8_bench import lists
+from profiling import profile_call
+from sender_sweep import copy_seconds
+from torch.profiler import ProfilerActivity, profile
+
+from common.config import RefitConfig
+from common.plan import RefitPlan
+from common.quant.fp8_blocks import BlockFp8Format
+from common.quant.fp8_plan import Fp8Source, Fp8Targets
+from common.source import DictWeightSource
+from common.transfer.sender import RefitSender
+from common.wire.group import RefitGroup, free_port
+
+
+def kernels(prof: Any, refits: int) -> dict[str, list]:
+    """Per kernel (or copy) name: [count, device ms] a refit."""
+    rows: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            row = rows.setdefault(event.name[:80], [0, 0.0])
+            row[0] += 1
+            row[1] += event.device_time / 1e3
+    return {name: [n // refits, round(ms / refits, 3)]
+            for name, (n, ms) in sorted(rows.items(), key=lambda kv: -kv[1][1])}
+
+
+def profile_refits(sender: RefitSender, source: Any, args: argparse.Namespace) -> dict:
+    """Warm refits, timed refits (median wall), then profiled ones (their kernels)."""
+    version = iter(range(1, 1 << 30))
+    for _ in range(3):
+        sender.refit(source, next(version))
+    walls = []
+    for _ in range(args.reps):
+        sync(args.device)
+        t0 = time.perf_counter()
+        sender.refit(source, next(version))
+        sync(args.device)
+        walls.append(time.perf_counter() - t0)
+    activity = ProfilerActivity.CPU if args.device.type == "cpu" else ProfilerActivity.CUDA
+    with profile(activities=[activity]) as prof:
+        for _ in range(args.reps):
+            sender.refit(source, next(version))
+        sync(args.device)
+    if args.host:
+        profile_call(sender.refit, source, next(version), top=args.host)
+    table = kernels(prof, args.reps)
+    return {"wall_ms": round(statistics.median(walls) * 1e3, 3),
+            "device_busy_ms": round(sum(ms for _, ms in table.values()), 3), "kernels": table}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--list", default="moe", choices=["moe", "qwen3_30b_a3b"])
+    ap.add_argument("--bucket-mib", type=int, default=64)
+    ap.add_argument("--buffers", type=int, default=2)
+    ap.add_argument("--graph-send", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="every 2-D *proj.weight in block FP8")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--host", type=int, default=0, help="cProfile one more refit: top N")
+    ap.add_argument("--cpu", action="store_true", help="a small CPU run (gloo; no kernels)")
+    args = ap.parse_args()
+    args.kind, args.quick, args.warmup = "cpu" if args.cpu else "gpu", False, 1
+    args.scale = DEFAULT_MODEL_SCALE[args.kind]
+    device = args.device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    shapes = lists(args)[args.list]
+    g = torch.Generator(device=device).manual_seed(0)
+    tensors = {n: torch.randn(s, generator=g, device=device).bfloat16() for n, s in shapes}
+    source: Any = DictWeightSource(tensors)
+    if args.fp8:
+        source = Fp8Source(source, Fp8Targets(BlockFp8Format(), frozenset(
+            n for n, s in shapes if n.endswith("proj.weight") and len(s) == 2)))
+    config = RefitConfig(bucket_bytes=args.bucket_mib << 20, num_buffers=args.buffers,
+                         timeout_s=600, graph_send=args.graph_send)
+    group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
+                       num_trainers=1, timeout_s=600, device=device)
+    try:
+        plan = RefitPlan.build(source.plan_specs(), config)
+        report = profile_refits(RefitSender.setup(group, plan), source, args)
+    finally:
+        group.destroy()
+    args.reps = 5
+    report["copy_ms"] = round(copy_seconds(sum(t.numel() * 2 for t in tensors.values()), args,
+                                           device) * 1e3, 3)
+    print(f"{args.list} {args.bucket_mib} MiB {args.buffers} buffers graph={args.graph_send} "
+          f"fp8={args.fp8}: wall {report['wall_ms']} ms, device busy "
+          f"{report['device_busy_ms']} ms, one copy {report['copy_ms']} ms", file=sys.stderr)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
