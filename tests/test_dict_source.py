@@ -13,7 +13,7 @@ import torch
 
 from common.config import RefitConfig
 from common.dtype_policy import DtypePolicy
-from common.errors import TensorMismatchError
+from common.errors import RefitError, TensorMismatchError
 from common.kernels import native
 from common.plan import RefitPlan
 from common.source import DictWeightSource, MappingItems
@@ -91,6 +91,18 @@ def test_a_drifted_tensor_is_named_at_its_place(drift: str) -> None:
     why = {"dtype": "dtype float32 but the plan says bfloat16", "shape": "shape [",
            "missing": "no tensor on its source rank 0"}[drift]
     assert why in str(e.value)
+
+
+def test_a_source_that_ends_early_is_named_at_the_first_missing_tensor() -> None:
+    tensors = weights()
+    plan = plan_of(DictWeightSource(tensors))
+    bucket = plan.buckets[1]
+    short = iter([(n, tensors[n]) for n in plan.names[:bucket.start + 2]])  # items, no dict
+    checker = BucketChecker(plan, 0, CPU, "rank 0")
+    checker.take(short, plan.buckets[0], 1)
+    with pytest.raises(RefitError, match=rf"weight source ended at "
+                       rf"'{plan.names[bucket.start + 2]}' \(tensor #{bucket.start + 2}\)"):
+        checker.take(short, bucket, 1)
 
 
 def test_a_replaced_tensor_is_taken_afresh() -> None:

@@ -65,25 +65,28 @@ class BucketChecker:
     def take(self, it: Iterator, bucket: Bucket,
              version: int) -> tuple[list, np.ndarray | None]:
         """The bucket's tensors (none on a rank that does not send it), checked against the
-        plan, and their addresses when the native scan collected them."""
-        specs = self.plan.bucket_specs(bucket)
+        plan, and their addresses when the native scan collected them. (The bucket's specs
+        are sliced only where the items are checked one by one: a slice touches every spec
+        object, a cache miss each after a training step.)"""
+        count = bucket.stop - bucket.start
         if isinstance(it, MappingItems) and it.position == bucket.start:
             if self.rank != bucket.source_rank:
-                it.advance(len(specs))
+                it.advance(count)
                 return [], None
             if (scan := self.scans.get(bucket.index)) is not None:
                 tensors, ptrs = scan.take_mapping(it.mapping)
                 if tensors is not None:
-                    it.advance(len(specs))
+                    it.advance(count)
                     self.held = True
                     return tensors, ptrs
         self.held = False
         first = next(it, None)
         if isinstance(first, PreparedBucket):
             return self._prepared(first, bucket, version)
-        items = [first, *itertools.islice(it, len(specs) - 1)] if first is not None else []
-        if len(items) < len(specs):
-            raise RefitError(f"weight source ended at {specs[len(items)].name!r} (tensor "
+        items = [first, *itertools.islice(it, count - 1)] if first is not None else []
+        if len(items) < count:
+            missing = self.plan.specs[bucket.start + len(items)]
+            raise RefitError(f"weight source ended at {missing.name!r} (tensor "
                              f"#{bucket.start + len(items)}); the plan has {len(self.plan.specs)}")
         if self.rank != bucket.source_rank:
             return [], None  # not needed here: free them before this rank's buffer fills
@@ -93,6 +96,7 @@ class BucketChecker:
                 return tensors, ptrs
         elif self._same(bucket, items):
             return list(map(_SECOND, items)), None
+        specs = self.plan.bucket_specs(bucket)
         for i, (spec, (name, tensor)) in enumerate(zip(specs, items, strict=True)):
             if why := check_tensor(spec, name, tensor):
                 raise TensorMismatchError(f"{self.label}: refit v{version} bucket "
