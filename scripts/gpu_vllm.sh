@@ -8,6 +8,8 @@
 #   scripts/gpu_vllm.sh recipes the FSDP2 and Megatron recipes against a CUDA `vllm serve`
 #   scripts/gpu_vllm.sh fp8     the FP8 CUDA engine test alone
 #   scripts/gpu_vllm.sh bench   bench/cuda_engine_bench.py alone (its figures want the machine to itself)
+#   scripts/gpu_vllm.sh profile where the sender's refits spend device and host time (no chunks):
+#                               bench/refit_profile.py, graph replay at 64 MiB and FP8 at 256 MiB
 #   scripts/gpu_vllm.sh sweep   the sender sweep, its calibration run, the FP8 bench (no vLLM: no chunks;
 #                               GRAPH_SEND=off leaves out the frames sent by graph replay;
 #                               SWEEP_ARGS: more sender_sweep.py arguments, e.g. "--buffers 2,3")
@@ -19,6 +21,14 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
 if [ "${1:-}" = prepare ]; then
   [ -d .whl/c00 ] || bash ../shared/tools/cuda_vllm/prepare.sh || exit 1
   exec python3 -m pip download -q --no-deps -d .whl/extra compressed-tensors==0.17.0 loguru==0.7.3
+fi
+if [ "${1:-}" = profile ]; then  # issues 37 and 38: one text file in $OUT
+  export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=1
+  for list in moe qwen3_30b_a3b; do
+    python3 bench/refit_profile.py --list $list --bucket-mib 64 --graph-send
+    python3 bench/refit_profile.py --list $list --bucket-mib 256 --fp8 --host 30
+  done > "$out/refit_profile_${gpu}.txt" 2>&1
+  rc=$?; grep -E "wall|^\{" "$out/refit_profile_${gpu}.txt" | cut -c1-400; exit $rc
 fi
 if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by the broadcast bench
   # Six JSON files and one log in $OUT (a device call brings back 8 files at most).
