@@ -180,20 +180,32 @@ class BucketLayout:
         pack its tensors instead."""
         if self.misaligned:
             return None
-        rest, kernels, sizes = self._other_slots(prepared.filled)
-        slots = self.buffer.data_ptr() + self._offsets
+        slots = self.slot_addresses()
         if self.device_index < 0:
             if (module := native.load()) is None:
                 return None
+            rest, _, sizes = self._other_slots(prepared.filled)
             check = prepared.fill(slots, mark)
             module.copy_bytes(*map(torch.from_numpy, (prepared.ptrs[rest], slots[rest], sizes)))
             return check
-        if not self.kernels or (tables := kernel_tables(kernels, prepared.ptrs)) is None:
+        if (tables := self.other_tables(prepared)) is None:
             return None
         check = prepared.fill(slots, mark)
         for kernel, table, bits in tables:
             kernel.run(table, bits)
         return check
+
+    def other_tables(self, prepared: PreparedBucket) -> list | None:
+        """On CUDA, the pack kernels of the slots `prepared` does not fill, with their tables
+        (`kernel_tables`); None where they cannot take them (no kernel, a misaligned slot or
+        source)."""
+        if self.misaligned or not self.kernels:
+            return None
+        return kernel_tables(self._other_slots(prepared.filled)[1], prepared.ptrs)
+
+    def slot_addresses(self) -> np.ndarray:
+        """Each slot's address in the buffer."""
+        return self.buffer.data_ptr() + self._offsets
 
     def _other_slots(self, filled: np.ndarray) -> tuple[np.ndarray, list, np.ndarray]:
         """The non-empty slots not in `filled`, their pack kernels (CUDA) and sizes, made

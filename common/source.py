@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -42,7 +42,9 @@ class PreparedBucket:
     the other slots' addresses: `fill(slot_addresses, (address, value))` launches the writes
     (in stream order) and returns a check to call once the stream's work is done: why the
     filled bytes are wrong (a non-finite weight; it then also wrote the int64 `value` at
-    `address`, the frame header's status word, so that no receiver loads them), or None."""
+    `address`, the frame header's status word, so that no receiver loads them), or None.
+    `stage_fill` (on CUDA), the same in two steps for a frame sent as a CUDA graph replay: it
+    makes the writes ready for those addresses and returns them as a `StagedFill`."""
 
     names: tuple[str, ...]
     ptrs: np.ndarray  # int64, one per name
@@ -51,6 +53,18 @@ class PreparedBucket:
     keep: tuple = ()
     fill: Callable[[np.ndarray, tuple[int, int]], Callable[[], str | None]] | None = None
     filled: np.ndarray | None = None  # the slots `fill` writes
+    stage_fill: Callable[[np.ndarray, tuple[int, int]], StagedFill] | None = None
+
+
+class StagedFill(NamedTuple):
+    """A fill made ready (`PreparedBucket.stage_fill`): `launch` queues its writes, reading
+    what was staged when they run (so a CUDA graph may capture it), or is None until they have
+    run once eagerly (compiled); `key` says which captured graph fits (the launches'
+    arguments); `check` as `PreparedBucket.fill` returns it."""
+
+    key: tuple
+    launch: Callable[[], None] | None
+    check: Callable[[], str | None]
 
 
 def iter_items(it: Iterable) -> Iterator[tuple[str, torch.Tensor | None]]:

@@ -215,25 +215,34 @@ class QuantizeLaunches:
 
     def run(self, at: tuple[np.ndarray, np.ndarray, np.ndarray], marks: np.ndarray) -> None:
         """Quantize from and to the addresses `at`, marking as `marks` says (`launch_table`)."""
-        table, bases, aligns = launch_table(at, marks, self.counts)
         if self.table is None:
+            table, bases, aligns = launch_table(at, marks, self.counts)
             launch_all(upload(table, self.likes[0].device), self.likes, self.counts, bases,
                        aligns, self.block, self.ue8m0)
             return
-        self.table.stage(table, table.tobytes())
-        key = (bases, aligns)
-
-        def launch_now() -> None:
-            launch_all(self.table.words, self.likes, self.counts, bases, aligns, self.block,
-                       self.ue8m0)
-
+        key = self.stage(at, marks)
         with torch.cuda.device(self.table.device_index):
             if (graph := self.graphs.get(key)) is not None:
                 graph.replay()
                 return
-            launch_now()  # the first launch also compiles the kernel
+            self.launch(key)  # the first launch also compiles the kernel
             if key not in self.graphs and len(self.graphs) < self.MAX_GRAPHS:
-                self.graphs[key] = capture_graph(launch_now, "FP8 quantize")
+                self.graphs[key] = capture_graph(lambda: self.launch(key), "FP8 quantize")
+
+    def stage(self, at: tuple[np.ndarray, np.ndarray, np.ndarray], marks: np.ndarray) -> tuple:
+        """Make the table of `at` and `marks` what the next launches read (CUDA); returns
+        their key: the bases and alignments the launches take as arguments."""
+        table, bases, aligns = launch_table(at, marks, self.counts)
+        self.table.stage(table, table.tobytes())
+        return bases, aligns
+
+    def launch(self, key: tuple) -> None:
+        """The launches for `key` (`stage`), reading the staged table when they run."""
+        launch_all(self.table.words, self.likes, self.counts, *key, self.block, self.ue8m0)
+
+    def compiled(self, key: tuple) -> bool:
+        """Whether the launches for `key` have run (their kernels compiled)."""
+        return key in self.graphs
 
 
 def quantize(x: torch.Tensor, block: tuple[int, int],

@@ -29,7 +29,7 @@ import torch
 from common.kernels import fp8_kernel
 from common.quant.fp8_batch import launchable, marked_tensor, marks_rows, quantize_batch
 from common.quant.fp8_blocks import BlockFp8Format
-from common.source import PreparedBucket
+from common.source import PreparedBucket, StagedFill
 
 
 class FillFlags:
@@ -112,16 +112,28 @@ def fill_bucket(layout, got: list, targets: list, inner_at: np.ndarray, scales: 
     groups, order = a.groups, a.order  # made once per plan: no Python per weight here
     flags = state.flags
 
-    def fill(slots: np.ndarray, mark: tuple[int, int]) -> Callable[[], str | None]:
+    def tables(slots: np.ndarray, mark: tuple[int, int]) -> tuple:
+        """The launches' addresses (inputs, values, scales) and marks for the frame's slots."""
         s_at = np.empty(len(targets), np.int64)
         s_at[a.scale_target] = slots[a.scale_pos]
         for t, s in later.items():
             s_at[t] = s.data_ptr()
-        state.launches(bucket, targets, groups, fmt).run(
-            (inner_at[a.order_inner], slots[a.target_pos[order]], s_at[order]),
-            marks_rows(len(groups), (flags.address(bucket), *mark)))
         flags.launched += 1
-        return lambda: _why(targets, marked_tensor(groups, flags.marked(bucket)))
+        return ((inner_at[a.order_inner], slots[a.target_pos[order]], s_at[order]),
+                marks_rows(len(groups), (flags.address(bucket), *mark)))
+
+    def check() -> str | None:
+        return _why(targets, marked_tensor(groups, flags.marked(bucket)))
+
+    def fill(slots: np.ndarray, mark: tuple[int, int]) -> Callable[[], str | None]:
+        state.launches(bucket, targets, groups, fmt).run(*tables(slots, mark))
+        return check
+
+    def stage_fill(slots: np.ndarray, mark: tuple[int, int]) -> StagedFill:
+        launches = state.launches(bucket, targets, groups, fmt)
+        key = launches.stage(*tables(slots, mark))
+        return StagedFill(key, (lambda: launches.launch(key)) if launches.compiled(key)
+                          else None, check)
 
     def views() -> list[torch.Tensor]:
         results = quantize_batch(targets, fmt, groups, inner_at[a.target_inner])
@@ -133,7 +145,8 @@ def fill_bucket(layout, got: list, targets: list, inner_at: np.ndarray, scales: 
         return bucket_tensors(layout, got, results, carried)
 
     return PreparedBucket(layout.names, ptrs, views, device, (got, carried, later), fill,
-                          np.concatenate([a.target_pos, a.scale_pos]))
+                          np.concatenate([a.target_pos, a.scale_pos]),
+                          stage_fill if device.type == "cuda" else None)
 
 
 def bucket_addresses(layout, inner_at: np.ndarray, carried: list) -> np.ndarray:

@@ -15,14 +15,17 @@ broadcast waiting on the GPU until the timeout aborts the communicator, as with 
 receivers' eager broadcasts pair with the replayed ones: every rank keeps the plan's order.
 
 Only whole frames from their source go this way (not a direct bucket, a compact frame, a delta
-or an ABORT); a bucket whose capture failed, or whose sources need another kernel variant than
-the captured one, goes eagerly; where the broadcast cannot be captured, the graph holds the rest
-and the broadcast follows each replay eagerly. `RefitConfig.graph_send` turns it on.
+or an ABORT), those its source fills too (an FP8 bucket, `PreparedBucket.stage_fill`: the
+fill's launches first in the graph, then the pack of the other slots; launched at once); a
+bucket whose capture failed, or whose sources need another kernel variant than the captured
+one, goes eagerly; where the broadcast cannot be captured, the graph holds the rest and the
+broadcast follows each replay eagerly. `RefitConfig.graph_send` turns it on.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -30,6 +33,7 @@ import torch
 from common.kernels.device_table import current_stream
 from common.kernels.pack_kernel import BufferKernel
 from common.packing import BucketLayout, kernel_tables
+from common.source import PreparedBucket
 from common.wire import checksum
 from common.wire.bucket_header import HEADER_BYTES
 from common.wire.transport import Transport
@@ -59,11 +63,12 @@ class _Captured:
     broadcast too (else the frame's broadcast is started eagerly after the replay)."""
 
     __slots__ = ("graph", "kernels", "header", "event", "nbytes", "broadcasts", "checked",
-                 "tables", "frame", "header_at")
+                 "tables", "frame", "header_at", "fill")
 
     def __init__(self, graph: torch.cuda.CUDAGraph, kernels: list, header: BufferKernel,
-                 event: torch.cuda.Event, frame: tuple, broadcasts: bool) -> None:
-        self.graph, self.kernels, self.header = graph, kernels, header
+                 event: torch.cuda.Event, frame: tuple, broadcasts: bool,
+                 fill: Callable[[], None] | None) -> None:
+        self.graph, self.kernels, self.header, self.fill = graph, kernels, header, fill
         self.event, self.broadcasts = event, broadcasts
         # (wire, payload, the broadcast's subgroup or None: the whole group), bytes moved
         self.frame, self.nbytes = frame, frame[0].numel()
@@ -137,6 +142,39 @@ class GraphFrames:
             entry.tables = [(k, table.copy(), table.tobytes()) for k, table, _ in tables]
         for kernel, table, table_key in entry.tables:  # uploaded if changed
             kernel.ptrs.stage(table, table_key)
+        return self._submit(key, entry, header_address, held)
+
+    def send_filled(self, key: tuple[int, int], layout: BucketLayout, frame: tuple,
+                    prepared: PreparedBucket, header_address: int,
+                    mark: tuple[int, int]) -> tuple[object | None, Callable | None]:
+        """Replay frame `key` whose source fills its slots (`PreparedBucket.stage_fill`,
+        marking `mark` as `fill` does): the fill's launches, the pack kernels of the other
+        slots (from `prepared.ptrs`), the header and the broadcast as one graph, launched now.
+        Returns what to wait for and the fill's check; (None, None): send it eagerly (after
+        a flush: the fill may have been staged, nothing launched)."""
+        tables = layout.other_tables(prepared)
+        if tables is None or header_address % 16:
+            return None, None
+        tables = [(k, t, bits) for k, t, bits in tables if k.chunk_slot.numel()]
+        if any(k.vec_for(bits) != k.vec or k.vec not in k.graphs for k, _, bits in tables):
+            return None, None  # a kernel not run yet, or sources aligned for another variant
+        staged = prepared.stage_fill(layout.slot_addresses(), mark)
+        if staged.launch is None:
+            return None, None  # not compiled yet: the eager fill compiles it
+        full = (key, staged.key)
+        if (entry := self._graphs.get(full, _Captured)) is _Captured:
+            kernels = [(None, k) for k, _, _ in tables]
+            entry = self._graphs[full] = self._capture_frame(kernels, frame, staged.launch)
+        if entry is None:
+            return None, None
+        for kernel, table, _ in tables:
+            kernel.ptrs.stage(table, table.tobytes())
+        return self._submit(full, entry, header_address, False), staged.check
+
+    def _submit(self, key: tuple, entry: _Captured, header_address: int,
+                held: bool) -> object | None:
+        """The frame's header row staged, then the frame launched or left pending in its run
+        (`send`)."""
         if header_address != entry.header_at:  # the refit's header table stays put
             header = np.array([header_address], np.int64)
             entry.header.ptrs.stage(header, header.tobytes())
@@ -199,6 +237,12 @@ class GraphFrames:
         kernels = [(idx, k) for idx, k in layout.kernels if k.chunk_slot.numel()]
         if layout.misaligned or not kernels or any(k.vec not in k.graphs for _, k in kernels):
             return None  # bytes copied outside the kernels, or a kernel not warmed
+        return self._capture_frame(kernels, frame, None)
+
+    def _capture_frame(self, kernels: list, frame: tuple,
+                       fill: Callable[[], None] | None) -> _Captured | None:
+        """A frame's graph: `fill` (a source's own writes into it), `kernels`, its header,
+        checksum and broadcast (unless that failed to capture before), or None."""
         wire, payload, _ = frame
         header = BufferKernel(wire, 8, [0], [HEADER_BYTES])
         header.warm()  # compiles it (the header copied onto itself)
@@ -206,7 +250,7 @@ class GraphFrames:
             checksum.stamp(wire, payload)  # compiles the hash kernel outside the capture
         for broadcasts in ((True, False) if self.failure is None else (False,)):
             try:
-                graph = self._record([(kernels, header, frame)], broadcasts)
+                graph = self._record([(fill, kernels, header, frame)], broadcasts)
             except RuntimeError as e:
                 if broadcasts:
                     log.warning("%s: a frame's broadcast could not be captured in a CUDA graph, "
@@ -216,13 +260,14 @@ class GraphFrames:
                 log.warning("%s: a frame's pack could not be captured in a CUDA graph, sending "
                             "eagerly: %s", self.group.label, e)
                 return None
-            return _Captured(graph, kernels, header, torch.cuda.Event(), frame, broadcasts)
+            return _Captured(graph, kernels, header, torch.cuda.Event(), frame, broadcasts,
+                             fill)
         return None
 
     def _capture_run(self, entries: list[_Captured]) -> _Run | None:
         """One graph of `entries`' frames in order, or None (each replays its own)."""
         try:
-            graph = self._record([(e.kernels, e.header, e.frame) for e in entries],
+            graph = self._record([(e.fill, e.kernels, e.header, e.frame) for e in entries],
                                  broadcasts=True)
         except Exception as e:  # noqa: BLE001 - the frames still go, each by its own graph
             log.warning("%s: %d frames could not be captured as one CUDA graph, each goes by "
@@ -231,14 +276,17 @@ class GraphFrames:
         return _Run(graph)
 
     def _record(self, frames: list[tuple], broadcasts: bool) -> torch.cuda.CUDAGraph:
-        """A graph of `frames` (kernels, header kernel, (wire, payload, subgroup)) in order."""
+        """A graph of `frames` (fill or None, kernels, header kernel, (wire, payload,
+        subgroup)) in order."""
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.device(self.device_index), torch.cuda.stream(torch.cuda.Stream()):
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                for kernels, header, (wire, payload, sub) in frames:
+                for fill, kernels, header, (wire, payload, sub) in frames:
+                    if fill is not None:
+                        fill()
                     for _, kernel in kernels:
                         kernel.launch(kernel.vec)
                     header.launch(header.vec)

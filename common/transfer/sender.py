@@ -234,16 +234,10 @@ class RefitSender(Endpoint):
         direct = bucket.direct and route.gather is None
         # The header leads the frame's own buffer, or has a buffer of its own (direct).
         wire, payload = (self.headers[slot], None) if direct else self.frame(bucket, route, slot)
-        if (is_src and error is None and ptrs is not None and not direct and route.gather is None
+        if (is_src and error is None and not direct and route.gather is None
                 and self.graphs is not None and self.shadows is None):
-            row = table[1][bucket.index, route.set_index]
-            try:  # a failure before the replay becomes an ABORT like a failing pack
-                work = self.graphs.send((bucket.index, route.set_index),
-                                        self.layouts[bucket.index], (wire, payload, route.sub),
-                                        ptrs, table[0].data_ptr() + row * HEADER_BYTES,
-                                        self.checker.held)
-            except Exception as e:  # noqa: BLE001 - reported to every rank
-                work, error = None, RefitError(f"{group.label}: replaying {what} failed: {e}")
+            work, error = self._replay(bucket, route, (wire, payload, route.sub), tensors, ptrs,
+                                       table, what)
             if work is not None:
                 return [(work, what)], None, error
         if self.graphs is not None:  # frames of a pending run go first (stream, group)
@@ -273,6 +267,31 @@ class RefitSender(Endpoint):
             payload = self.direct_target(bucket)
         return [(group.broadcast(wire, src, sub), what + " header"),
                 (group.broadcast(payload, src, sub), what)], payload, error
+
+    def _replay(self, bucket: Bucket, route: Route, frame: tuple, tensors, ptrs, table,
+                what: str) -> tuple[object | None, BaseException | None]:
+        """The frame as a graph replay (`GraphFrames`): from the sources' addresses, or filled
+        by its source (`PreparedBucket.stage_fill`, its check kept for `_filled_error`).
+        Returns what to wait for (None: send it eagerly) and the refit's error (a failure
+        before the replay: an ABORT like a failing pack)."""
+        key, layout = (bucket.index, route.set_index), self.layouts[bucket.index]
+        row = table[1][bucket.index, route.set_index]
+        header_at = table[0].data_ptr() + row * HEADER_BYTES
+        prepared = getattr(tensors, "prepared", None)
+        try:
+            if ptrs is not None:
+                return self.graphs.send(key, layout, frame, ptrs, header_at,
+                                        self.checker.held), None
+            if (prepared is None or prepared.stage_fill is None
+                    or prepared.device != self.group.device):
+                return None, None
+            work, check = self.graphs.send_filled(key, layout, frame, prepared, header_at,
+                                                  (header_at + STATUS_OFFSET, STATUS_NONFINITE))
+            if work is not None:
+                self._checks.append((bucket, check))
+            return work, None
+        except Exception as e:  # noqa: BLE001 - reported to every rank
+            return None, RefitError(f"{self.group.label}: replaying {what} failed: {e}")
 
     def _pack(self, bucket: Bucket, route: Route, tensors: list, ptrs,
               mark: tuple[int, int] | None = None) -> torch.Tensor:
