@@ -5,12 +5,13 @@ is the sender's own work: the weight source's tensors quantized to block FP8 whe
 checkpoint holds them so (`common.quant.fp8_plan.Fp8Source`: every `*proj.weight`, as Qwen3-FP8
 and DeepSeek-V3 checkpoints quantize their linear layers), checked and packed into the
 buckets. Lists: the synthetic 20,000-tensor MoE list (each tensor 2-D) and the Qwen3-30B-A3B-
-shaped list (scale 0.5 on a GPU). The last line is one JSON object: `quantize_pack_over_copy`
-(the worse list: an FP8 refit over one device copy of the bf16 bytes; target <= 1.5),
-`wire_fraction_fp8` (the FP8 plan's bytes over the bf16 plan's), `quantize_alone_over_copy`
-(the worse list's quantize kernels alone, launched per bucket and shape into buffers of their
-own: what the refit adds to it is the fill's share, the rest's pack and the host's take),
-and per list the bf16 refit over the same copy.
+shaped list (scale 0.5 on a GPU). On a GPU both refits send their frames by CUDA graph
+replay (`RefitConfig.graph_send`), as a user with many small tensors would. The last line is
+one JSON object: `quantize_pack_over_copy` (the worse list: an FP8 refit over one device copy
+of the bf16 bytes; target <= 1.5), `wire_fraction_fp8` (the FP8 plan's bytes over the bf16
+plan's), `quantize_alone_over_copy` (the worse list's quantize kernels alone, launched per
+bucket and shape into buffers of their own: what the refit adds to it is the fill's share,
+the rest's pack and the host's take), and per list the bf16 refit over the same copy.
 
     python3 bench/fp8_bench.py --out bench/results/fp8_h200.json             # one GPU
     python3 bench/fp8_bench.py --profile 30      # + where one FP8 refit's host time goes
@@ -91,7 +92,8 @@ def measure_list(group: RefitGroup, name: str, shapes: Shapes,
     targets = Fp8Targets(BlockFp8Format(), frozenset(n for n, s in shapes
                                                        if n.endswith("proj.weight")
                                                        and len(s) == 2))
-    config = RefitConfig(bucket_bytes=args.bucket_mib << 20, num_buffers=2, timeout_s=600)
+    config = RefitConfig(bucket_bytes=args.bucket_mib << 20, num_buffers=2, timeout_s=600,
+                         graph_send=args.kind == "gpu")
     copy_s = copy_seconds(sum(t.numel() * 2 for t in tensors.values()), args, device)
     bf16_s, bf16_plan = refit_seconds(group, bf16, config, args)
     fp8 = Fp8Source(bf16, targets)
@@ -104,7 +106,7 @@ def measure_list(group: RefitGroup, name: str, shapes: Shapes,
             "fp8_refit_s": round(fp8_s, 6), "fp8_over_copy": round(fp8_s / copy_s, 3),
             "bf16_over_copy": round(bf16_s / copy_s, 3), "quantize_s": round(quantize_s, 6),
             "quantize_over_copy": round(quantize_s / copy_s, 3),
-            "wire_fraction": round(fp8_bytes / bf16_bytes, 4),
+            "wire_fraction": round(fp8_bytes / bf16_bytes, 4), "graph_send": config.graph_send,
             "buckets_by_address": f"{fp8.by_address} of {len(fp8_plan.buckets)}"}
 
 

@@ -26,6 +26,7 @@ if [ "${1:-}" = profile ]; then  # issues 37 and 38: one text file in $OUT
   export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=1
   for list in moe qwen3_30b_a3b; do
     python3 bench/refit_profile.py --list $list --bucket-mib 64 --graph-send
+    python3 bench/refit_profile.py --list $list --bucket-mib 256 --fp8 --graph-send --host 30
     python3 bench/refit_profile.py --list $list --bucket-mib 256 --fp8 --host 30
   done > "$out/refit_profile_${gpu}.txt" 2>&1
   rc=$?; grep -E "wall|^\{" "$out/refit_profile_${gpu}.txt" | cut -c1-400; exit $rc
