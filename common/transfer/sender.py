@@ -277,11 +277,11 @@ class RefitSender(Endpoint):
         key, layout = (bucket.index, route.set_index), self.layouts[bucket.index]
         row = table[1][bucket.index, route.set_index]
         header_at = table[0].data_ptr() + row * HEADER_BYTES
-        prepared = getattr(tensors, "prepared", None)
         try:
             if ptrs is not None:
                 return self.graphs.send(key, layout, frame, ptrs, header_at,
                                         self.checker.held), None
+            prepared = getattr(tensors, "prepared", None)
             if (prepared is None or prepared.stage_fill is None
                     or prepared.device != self.group.device):
                 return None, None
