@@ -191,9 +191,14 @@ def launch_groups(likes: list[torch.Tensor], counts: list[int],
                   block: tuple[int, int], ue8m0: bool) -> None:
     """One `launch` per group of `counts[g]` tensors like `likes[g]` (`launch_table`), every
     table in one upload."""
+    _launch_uploaded(list(map(like, likes)), counts, at, marks, block, ue8m0)
+
+
+def _launch_uploaded(likes: list[Like], counts: list[int],
+                     at: tuple[np.ndarray, np.ndarray, np.ndarray], marks: np.ndarray,
+                     block: tuple[int, int], ue8m0: bool) -> None:
     table, bases, aligns = launch_table(at, marks, counts)
-    launch_all(upload(table, likes[0].device), list(map(like, likes)), counts, bases, aligns,
-               block, ue8m0)
+    launch_all(upload(table, likes[0].device), likes, counts, bases, aligns, block, ue8m0)
 
 
 class QuantizeLaunches:
@@ -216,9 +221,7 @@ class QuantizeLaunches:
     def run(self, at: tuple[np.ndarray, np.ndarray, np.ndarray], marks: np.ndarray) -> None:
         """Quantize from and to the addresses `at`, marking as `marks` says (`launch_table`)."""
         if self.table is None:
-            table, bases, aligns = launch_table(at, marks, self.counts)
-            launch_all(upload(table, self.likes[0].device), self.likes, self.counts, bases,
-                       aligns, self.block, self.ue8m0)
+            _launch_uploaded(self.likes, self.counts, at, marks, self.block, self.ue8m0)
             return
         key = self.stage(at, marks)
         with torch.cuda.device(self.table.device_index):

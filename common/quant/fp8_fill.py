@@ -113,7 +113,8 @@ def fill_bucket(layout, got: list, targets: list, inner_at: np.ndarray, scales: 
     flags = state.flags
 
     def tables(slots: np.ndarray, mark: tuple[int, int]) -> tuple:
-        """The launches' addresses (inputs, values, scales) and marks for the frame's slots."""
+        """The launches' addresses (inputs, values, scales) and marks for the frame's slots
+        (counted as a fill launched: the flags are read afresh after it)."""
         s_at = np.empty(len(targets), np.int64)
         s_at[a.scale_target] = slots[a.scale_pos]
         for t, s in later.items():
