@@ -234,19 +234,20 @@ class RefitSender(Endpoint):
         direct = bucket.direct and route.gather is None
         # The header leads the frame's own buffer, or has a buffer of its own (direct).
         wire, payload = (self.headers[slot], None) if direct else self.frame(bucket, route, slot)
+        row = table[1][bucket.index, route.set_index]
+        # the frame's header row, whose status word a fill marks NONFINITE
+        header_at = table[0].data_ptr() + row * HEADER_BYTES
+        mark = (header_at + STATUS_OFFSET, STATUS_NONFINITE)
         if (is_src and error is None and not direct and route.gather is None
                 and self.graphs is not None and self.shadows is None):
             work, error = self._replay(bucket, route, (wire, payload, route.sub), tensors, ptrs,
-                                       table, what)
+                                       (header_at, mark), what)
             if work is not None:
                 return [(work, what)], None, error
         if self.graphs is not None:  # frames of a pending run go first (stream, group)
             self.graphs.flush()
-        row = table[1][bucket.index, route.set_index]
         if is_src and error is None:
             try:  # a failing pack (device, memory) becomes an ABORT like any other error
-                mark = (table[0].data_ptr() + row * HEADER_BYTES + STATUS_OFFSET,
-                        STATUS_NONFINITE)
                 payload = self._pack(bucket, route, tensors, ptrs, mark)
                 if self.shadows is not None:  # a whole frame in a refit with deltas on
                     self.shadows.keep(bucket, route, payload)
@@ -268,15 +269,16 @@ class RefitSender(Endpoint):
         return [(group.broadcast(wire, src, sub), what + " header"),
                 (group.broadcast(payload, src, sub), what)], payload, error
 
-    def _replay(self, bucket: Bucket, route: Route, frame: tuple, tensors, ptrs, table,
+    def _replay(self, bucket: Bucket, route: Route, frame: tuple, tensors, ptrs,
+                header: tuple[int, tuple[int, int]],
                 what: str) -> tuple[object | None, BaseException | None]:
         """The frame as a graph replay (`GraphFrames`): from the sources' addresses, or filled
         by its source (`PreparedBucket.stage_fill`, its check kept for `_filled_error`).
         Returns what to wait for (None: send it eagerly) and the refit's error (a failure
-        before the replay: an ABORT like a failing pack)."""
+        before the replay: an ABORT like a failing pack). `header`: the frame's header row
+        address and the fill's mark."""
         key, layout = (bucket.index, route.set_index), self.layouts[bucket.index]
-        row = table[1][bucket.index, route.set_index]
-        header_at = table[0].data_ptr() + row * HEADER_BYTES
+        header_at, mark = header
         try:
             if ptrs is not None:
                 return self.graphs.send(key, layout, frame, ptrs, header_at,
@@ -286,7 +288,7 @@ class RefitSender(Endpoint):
                     or prepared.device != self.group.device):
                 return None, None
             work, check = self.graphs.send_filled(key, layout, frame, prepared, header_at,
-                                                  (header_at + STATUS_OFFSET, STATUS_NONFINITE))
+                                                  mark)
             if work is not None:
                 self._checks.append((bucket, check))
             return work, None
