@@ -1,6 +1,6 @@
 """What the one-launch CUDA kernels share: an int64 table on the device that their launches read
-(uploaded only when it changes), the current stream's object made once, and a launch captured
-as a CUDA graph (a replay costs a fraction of a Triton launch's host time)."""
+(uploaded only when it changes), the current stream's object made once, and launches captured
+as a CUDA graph and replayed (a replay costs a fraction of a Triton launch's host time)."""
 
 from __future__ import annotations
 
@@ -68,3 +68,16 @@ def capture_graph(launch: Callable[[], None], what: str) -> torch.cuda.CUDAGraph
         log.warning("%s: CUDA graph capture failed, launching eagerly: %s", what, e)
         return None
     return graph
+
+
+def replay_or_launch(graphs: dict, key: object, launch: Callable[[], None], what: str,
+                     limit: int | None = None) -> None:
+    """Replay `graphs[key]`; without one, `launch` eagerly (the first launch also compiles
+    its kernels) and capture it for the next time (a failed capture is remembered as None:
+    eager from then on; at most `limit` graphs)."""
+    if (graph := graphs.get(key)) is not None:
+        graph.replay()
+        return
+    launch()
+    if key not in graphs and (limit is None or len(graphs) < limit):
+        graphs[key] = capture_graph(launch, what)

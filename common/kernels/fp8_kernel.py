@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from common.kernels.device_table import DeviceTable, capture_graph
+from common.kernels.device_table import DeviceTable, replay_or_launch
 
 try:
     import triton
@@ -225,12 +225,8 @@ class QuantizeLaunches:
             return
         key = self.stage(at, marks)
         with torch.cuda.device(self.table.device_index):
-            if (graph := self.graphs.get(key)) is not None:
-                graph.replay()
-                return
-            self.launch(key)  # the first launch also compiles the kernel
-            if key not in self.graphs and len(self.graphs) < self.MAX_GRAPHS:
-                self.graphs[key] = capture_graph(lambda: self.launch(key), "FP8 quantize")
+            replay_or_launch(self.graphs, key, lambda: self.launch(key), "FP8 quantize",
+                             self.MAX_GRAPHS)
 
     def stage(self, at: tuple[np.ndarray, np.ndarray, np.ndarray], marks: np.ndarray) -> tuple:
         """Make the table of `at` and `marks` what the next launches read (CUDA); returns

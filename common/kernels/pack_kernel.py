@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from common.kernels.device_table import DeviceTable, capture_graph
+from common.kernels.device_table import DeviceTable, replay_or_launch
 
 try:
     import triton
@@ -103,24 +103,19 @@ class BufferKernel:
             return
         vec = self.vec_for(address_bits)
         self.ptrs.stage(ptrs, ptrs.tobytes())
+        def launch() -> None:
+            self.launch(vec)
+
         if torch._C._cuda_getDevice() == self.device_index:
-            self._replay_or_launch(vec)
+            replay_or_launch(self.graphs, vec, launch, "pack kernel")
         else:  # Triton launches on the current device
             with torch.cuda.device(self.device_index):
-                self._replay_or_launch(vec)
+                replay_or_launch(self.graphs, vec, launch, "pack kernel")
 
     def vec_for(self, address_bits: int) -> int:
         """The 16-byte word count the kernel may use for addresses whose bitwise or is
         `address_bits`."""
         return self.vec if address_bits % 16 == 0 else 1
-
-    def _replay_or_launch(self, vec: int) -> None:
-        if (graph := self.graphs.get(vec)) is not None:
-            graph.replay()
-        else:
-            self.launch(vec)  # the first launch also compiles the kernel
-            if vec not in self.graphs:
-                self.graphs[vec] = capture_graph(lambda: self.launch(vec), "pack kernel")
 
     def launch(self, vec: int) -> None:
         """Copy between the slots and the addresses of the device table (eagerly, or into a

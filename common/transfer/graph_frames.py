@@ -107,7 +107,7 @@ class GraphFrames:
         self.device_index = group.device.index
         self._graphs: dict[tuple[int, int], _Captured | None] = {}
         self._runs: dict[tuple, _Run | None] = {}  # by the run's frame keys
-        self._pending: list[tuple[tuple[int, int], _Captured, ReplayWork]] = []
+        self._pending: list[tuple[tuple, _Captured, ReplayWork]] = []  # (key, entry, work)
         self._fresh = True  # the next frame starts a refit
         self._replans = 0  # the sharding's re-plans the graphs were captured after
         self.failure: str | None = None  # why capturing the broadcast failed (logged once)
