@@ -16,6 +16,7 @@ frame sent as one CUDA graph replay (`*_graph`, `RefitConfig.graph_send`; CUDA o
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -66,6 +67,15 @@ def copy_seconds(total: int, args: argparse.Namespace, device: torch.device) -> 
     return statistics.median(timed(copy, args, device))
 
 
+def fresh_device(device: torch.device) -> None:
+    """Free what a case left (its sender, buffers and graphs, held in reference cycles until a
+    collection) so that the next case starts as a trainer's first refit would."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 def sweep_list(group: RefitGroup, name: str, shapes: Shapes,
                args: argparse.Namespace) -> dict[str, Any]:
     """Every (checksum, bucket size, buffer count) of one list on this rank."""
@@ -88,6 +98,7 @@ def sweep_list(group: RefitGroup, name: str, shapes: Shapes,
                 case = argparse.Namespace(**{**vars(args), "bucket_bytes": mib << 20})
                 source = DictWeightSource(mine) if group.is_trainer else None
                 times, stats = time_refits(group, specs, source, nb, case, barrier)
+                fresh_device(group.device)
                 out["cases"].append({"checksum": checksum, "graph_send": graph,
                                      "bucket_mib": mib, "buffers": nb, "times_s": times,
                                      "stats": stats})

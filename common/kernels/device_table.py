@@ -39,6 +39,7 @@ class DeviceTable:
         self._host_view = self._host.numpy()
         self._staged: bytes | None = None  # the device table's bytes
         self._uploaded = torch.cuda.Event()  # the last upload has read the staging table
+        self.uploads = 0  # tables that went up (a changed one each)
 
     def stage(self, table: np.ndarray, key: bytes) -> None:
         """Make `table` (`key`: its bytes) what the next launches read: written into the
@@ -49,6 +50,7 @@ class DeviceTable:
             self._host_view[:] = table
             self._staged = key
             self.words.copy_(self._host, non_blocking=True)
+            self.uploads += 1
             self._uploaded.record(current_stream(self.device_index))
 
 
