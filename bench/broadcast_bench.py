@@ -153,10 +153,13 @@ def time_refits(group: RefitGroup, specs: list[TensorSpec], source: WeightSource
     last: list[RefitStats] = []
     times = timed(partial(coalesced_step, end, source, last), args, group.device, barrier)
     graphs = getattr(end, "graphs", None)  # frames sent by graph replay (graph_send)
-    return times, {**stats_dict(last[-1]), "buckets": len(plan.buckets),
-                   "buffer_bytes": plan.buffer_bytes,
-                   **({} if graphs is None else {"graph_frames": graphs.captured,
-                                                 "graph_failure": graphs.failure})}
+    stats = {**stats_dict(last[-1]), "buckets": len(plan.buckets),
+             "buffer_bytes": plan.buffer_bytes,
+             **({} if graphs is None else {"graph_frames": graphs.captured,
+                                           "graph_failure": graphs.failure})}
+    if isinstance(end, RefitSender):
+        end.close()  # its graphs go now: the next case's launches meet none of them
+    return times, stats
 
 
 def coalesced_step(end: RefitSender | RefitReceiver, source: WeightSource | None,

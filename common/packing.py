@@ -220,6 +220,12 @@ class BucketLayout:
             known = self._others[key] = (rest, kernels, sizes)
         return known
 
+    def release(self) -> None:
+        """Destroy the graphs of this bucket's pack kernels (the endpoint is being replaced)."""
+        for _, kernel in [*(self._built_kernels or []),
+                          *(k for _, ks, _ in self._others.values() for k in ks)]:
+            kernel.release()
+
     def warm(self) -> None:
         """Compile and capture this bucket's pack kernels (CUDA) before the first refit needs
         them: ~1 s of Triton compiling and graph capture otherwise lands in that refit."""

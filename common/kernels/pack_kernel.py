@@ -96,6 +96,13 @@ class BufferKernel:
         if len(self.home):
             self.run(self.home, int(np.bitwise_or.reduce(self.home)))
 
+    def release(self) -> None:
+        """Destroy the captured graphs (the next run captures again)."""
+        for graph in self.graphs.values():
+            if graph is not None:
+                graph.reset()
+        self.graphs.clear()
+
     def run(self, ptrs: np.ndarray, address_bits: int) -> None:
         """Copy between the slots and the addresses `ptrs` (contiguous, unit-aligned, this
         device); `address_bits`: the bitwise or of them (its low bits: their alignment)."""

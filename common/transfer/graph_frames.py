@@ -221,6 +221,14 @@ class GraphFrames:
         if replans != self._replans:
             self._graphs, self._runs, self._replans = {}, {}, replans
 
+    def release(self) -> None:
+        """Destroy every captured graph now (a sender set up again keeps none of them
+        instantiated while its successor captures its own)."""
+        for entry in [*self._graphs.values(), *self._runs.values()]:
+            if entry is not None:
+                entry.graph.reset()
+        self._graphs, self._runs, self._pending = {}, {}, []
+
     def _launch(self, graph: torch.cuda.CUDAGraph, event: torch.cuda.Event) -> None:
         """Replay `graph` and record `event` behind it (its frames' completion)."""
         if torch._C._cuda_getDevice() == self.device_index:

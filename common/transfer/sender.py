@@ -85,6 +85,16 @@ class RefitSender(Endpoint):
         native.load()  # a first build (~25 s) happens here, before the group waits on us
         return cls(group, agree_on_plan(group, plan))
 
+    def close(self) -> None:
+        """Release the CUDA graphs this sender captured (its frames', its pack kernels'):
+        call it when the sender is replaced (a new plan, a new group). Refits after it
+        fail."""
+        if self.graphs is not None:
+            self.graphs.release()
+        for layout in self.layouts.values():
+            layout.release()
+        self.graphs, self.layouts = None, {}
+
     def keep_shadows_of(self, old: RefitSender | None) -> None:
         """Carry the shadows of `old` (this trainer's sender in a group that failed, same
         plan) over: the next refit can still be a delta."""
