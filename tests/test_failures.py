@@ -395,3 +395,34 @@ def test_the_plans_timeout_governs_every_wait_after_the_handshake() -> None:
 def test_error_types_are_refit_errors() -> None:
     for cls in (PlanMismatchError, RefitAborted, RefitCommError, TensorMismatchError):
         assert issubclass(cls, RefitError)
+
+
+def test_a_receiver_that_joins_before_the_trainers_connects_as_the_store_comes_up() -> None:
+    """Engines join before the training ranks are up (their start is slower): the receiver
+    connects within a fraction of a second of rank 0's store coming up, however long it
+    waited (TCPStore's own retries back off to a minute); with no store at all its join fails
+    within its timeout, naming the address."""
+    import threading
+
+    port, joined = free_port(), {}
+
+    def receiver() -> None:
+        group = RefitGroup(host="127.0.0.1", port=port, rank=1, world_size=2, num_trainers=1,
+                           timeout_s=30)
+        joined["at"] = time.monotonic()
+        group.destroy()
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    time.sleep(6)
+    up = time.monotonic()
+    trainer = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=2, num_trainers=1,
+                         timeout_s=30)
+    thread.join(30)
+    trainer.destroy()
+    assert joined["at"] - up < 2.0, joined["at"] - up
+    t0, lone = time.monotonic(), free_port()
+    with pytest.raises(RefitCommError, match=f"127.0.0.1:{lone}.*nothing accepted"):
+        RefitGroup(host="127.0.0.1", port=lone, rank=1, world_size=2, num_trainers=1,
+                   timeout_s=1)
+    assert time.monotonic() - t0 < 5

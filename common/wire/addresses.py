@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -19,10 +20,33 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s:
               wait_for_workers: bool = True) -> dist.TCPStore:
     """A TCPStore at `host`:`port`; the master listens on `host` only (TCPStore alone would
     listen on every address of the machine)."""
-    listen = {"master_listen_fd": _listening_fd(host, port)} if is_master else {}
+    if is_master:
+        listen = {"master_listen_fd": _listening_fd(host, port)}
+    else:
+        listen = {}
+        _await_listener(host, port, timeout_s)
     return dist.TCPStore(host, port, world_size, is_master=is_master,
                          timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=wait_for_workers, **listen)
+
+
+def _await_listener(host: str, port: int, timeout_s: float, every_s: float = 0.2) -> None:
+    """Return once `host`:`port` accepts a connection. An engine often joins before the
+    training ranks are up; TCPStore's own retries back off to a minute and more between
+    tries, so a store that comes up meanwhile could go unseen past the trainers' timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=every_s):
+                return
+        except OSError as e:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"nothing accepted a connection at {host}:{port} for "
+                                   f"{timeout_s:.0f}s (the first training rank hosts the "
+                                   f"refit group's store there: not started, or gone): "
+                                   f"{e}") from e
+            time.sleep(min(every_s, left))
 
 
 def _listening_fd(host: str, port: int) -> int:
