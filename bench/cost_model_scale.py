@@ -77,7 +77,7 @@ class Options:
     interleave: bool = False  # buckets in turn by sender, not in plan order (`interleave`)
 
 
-FP8_RUN = "fp8_h100_run4"  # frames filled by the kernel (fp8_h200_run3: an older kernel)
+FP8_RUN = "fp8_h100_run8"  # fills sent by replay; the slower of its two lends (run7: 1.42x)
 # The host's pace between lends: 2.2x per tensor between the calibration lend and another
 # lend's sweep (issue 37: one H200, same code). Best and expected are the lends measured here.
 LEND_SPREAD = 2.2
