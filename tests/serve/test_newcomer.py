@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.clients.http_engine import HttpEngine
 from common.clients.serve import ServeConfig, VllmServer
@@ -101,13 +102,17 @@ def _served(url: str) -> list:
 
 
 def test_newcomer_megatron_quick_start_runs_as_written(tmp_path) -> None:
-    """The model's own weights first (the block up to `refit.connect`, plus the epilogue),
-    a server on them; then the whole block, and a fresh server on what it trained."""
+    """A server on random weights of the block's model (every one is refit), the whole block,
+    then a fresh server on what it trained."""
+    from transformers import AutoModelForCausalLM
+
+    from recipes.mcore_configs import hf_config
+    from recipes.mcore_models import DENSE
+
     block = docs_block("newcomer: megatron")
     assert len([line for line in block.splitlines() if "refit" in line]) <= 10
     start, trained = tmp_path / "start", tmp_path / "trained"
-    _run_block(_with_epilogue(block[:block.index("with refit.connect(")] + TEARDOWN,
-                              MEGATRON_WEIGHTS), tmp_path, "weights", "unused", str(start), nproc=4)
+    AutoModelForCausalLM.from_config(hf_config(DENSE)).to(torch.bfloat16).save_pretrained(start)
     with VllmServer(_short(start, "newcomer-megatron")) as server:
         _run_block(_with_epilogue(block, MEGATRON_WEIGHTS), tmp_path, "quickstart", server.url,
                    str(trained), nproc=4)
