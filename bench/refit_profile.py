@@ -6,6 +6,7 @@ calls by cProfile, to stderr); one whose device time exceeds the copy's is the k
 
     python3 bench/refit_profile.py --list qwen3_30b_a3b --bucket-mib 64 --graph-send
     python3 bench/refit_profile.py --list moe --bucket-mib 256 --fp8 --host 40
+    python3 bench/refit_profile.py --list qwen3_30b_a3b --graph-send --after 1  # a sweep's later case
 
 The last line is one JSON object: `wall_ms`, `device_busy_ms`, `copy_ms` (one copy of the
 list's bf16 bytes), and `kernels` (name -> [count, ms] a refit).
@@ -82,6 +83,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--host", type=int, default=0, help="cProfile one more refit: top N")
     ap.add_argument("--cpu", action="store_true", help="a small CPU run (gloo; no kernels)")
+    ap.add_argument("--after", type=int, default=0,
+                    help="first set up, use (3 refits) and close this many senders of the "
+                         "same plan: a sweep's later cases")
     args = ap.parse_args()
     args.kind, args.quick, args.warmup = "cpu" if args.cpu else "gpu", False, 1
     args.scale = DEFAULT_MODEL_SCALE[args.kind]
@@ -99,6 +103,11 @@ def main() -> int:
                        num_trainers=1, timeout_s=600, device=device)
     try:
         plan = RefitPlan.build(source.plan_specs(), config)
+        for _ in range(args.after):
+            earlier = RefitSender.setup(group, plan)
+            for version in range(1, 4):
+                earlier.refit(source, version)
+            earlier.close()
         report = profile_refits(RefitSender.setup(group, plan), source, args)
     finally:
         group.destroy()
@@ -106,7 +115,7 @@ def main() -> int:
     report["copy_ms"] = round(copy_seconds(sum(t.numel() * 2 for t in tensors.values()), args,
                                            device) * 1e3, 3)
     print(f"{args.list} {args.bucket_mib} MiB {args.buffers} buffers graph={args.graph_send} "
-          f"fp8={args.fp8}: wall {report['wall_ms']} ms, device busy "
+          f"fp8={args.fp8} after {args.after} senders: wall {report['wall_ms']} ms, device busy "
           f"{report['device_busy_ms']} ms, one copy {report['copy_ms']} ms", file=sys.stderr)
     print(json.dumps(report))
     return 0
