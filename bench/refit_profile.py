@@ -6,7 +6,7 @@ calls by cProfile, to stderr); one whose device time exceeds the copy's is the k
 
     python3 bench/refit_profile.py --list qwen3_30b_a3b --bucket-mib 64 --graph-send
     python3 bench/refit_profile.py --list moe --bucket-mib 256 --fp8 --host 40
-    python3 bench/refit_profile.py --list qwen3_30b_a3b --graph-send --after 1  # a sweep's later case
+    python3 bench/refit_profile.py --list qwen3_30b_a3b --graph-send --after 1  # later case
 
 The last line is one JSON object: `wall_ms`, `device_busy_ms`, `copy_ms` (one copy of the
 list's bf16 bytes), and `kernels` (name -> [count, ms] a refit).
