@@ -426,3 +426,19 @@ def test_a_receiver_that_joins_before_the_trainers_connects_as_the_store_comes_u
         RefitGroup(host="127.0.0.1", port=lone, rank=1, world_size=2, num_trainers=1,
                    timeout_s=1)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_closed_sender_refuses_to_refit() -> None:
+    """`RefitSender.close` releases what the sender captured; a refit after it raises, naming
+    the rank and the version, instead of failing on what is gone."""
+    group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
+                       num_trainers=1, timeout_s=30)
+    try:
+        source = DictWeightSource({"w": torch.ones(64), "b": torch.zeros(8)})
+        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), RefitConfig()))
+        assert sender.refit(source, 1).version == 1
+        sender.close()
+        with pytest.raises(RefitError, match=r"refit rank 0/1 .*refit v2 on a closed sender"):
+            sender.refit(source, 2)
+    finally:
+        group.destroy()

@@ -72,6 +72,7 @@ class RefitSender(Endpoint):
         self.shadows = ShadowSender(self) if plan.config.delta else None
         self._headers: tuple | None = None  # `header_table`'s
         self._checks: list = []  # a refit's (bucket, check) per frame its source filled
+        self.closed = False  # `close` released its graphs
         self.graphs = (GraphFrames(group, self.checksums, per_run=self.num_buffers + 1)
                        if plan.config.graph_send and group.captures_broadcasts else None)
         for bucket in plan.buckets:  # the first refit then runs at the speed of the others
@@ -86,14 +87,14 @@ class RefitSender(Endpoint):
         return cls(group, agree_on_plan(group, plan))
 
     def close(self) -> None:
-        """Release the CUDA graphs this sender captured (its frames', its pack kernels'):
-        call it when the sender is replaced (a new plan, a new group). Refits after it
-        fail."""
+        """Release the CUDA graphs this sender captured (its frames', its pack kernels') now,
+        not at a later garbage collection: call it when the sender is replaced (a new plan,
+        a new group). A refit after it raises."""
         if self.graphs is not None:
             self.graphs.release()
         for layout in self.layouts.values():
             layout.release()
-        self.graphs, self.layouts = None, {}
+        self.graphs, self.closed = None, True
 
     def keep_shadows_of(self, old: RefitSender | None) -> None:
         """Carry the shadows of `old` (this trainer's sender in a group that failed, same
@@ -127,6 +128,9 @@ class RefitSender(Endpoint):
         """Send one complete set of weights, tagged `version`; returns this rank's stats.
         With deltas on, the shadows take this version only if it landed on every rank.
         Python's garbage collector is paused meanwhile (`common.gc_pause`)."""
+        if self.closed:
+            raise RefitError(f"{self.group.label}: refit v{version} on a closed sender (set "
+                             "up a new one with RefitSender.setup)")
         try:
             with gc_paused():
                 stats = self._refit(source, version)
