@@ -5,9 +5,10 @@ Per bucket, in plan order: its sender takes it (gather and checks: host work per
 per bucket, `fit_host`) without waiting for a buffer, then waits for the buffer (its bucket
 `buffers` back has left the wire) and packs into it: on a GPU the pack runs on the device while
 the host takes the next bucket (`StageCosts.overlap`), on a CPU the host packs before going on;
-with 1 buffer each bucket may pay a calibrated hand-back (`handback_s`). The wire carries the
-buckets one collective at a time over the group; a receiver holds `buffers` buckets, so the wire
-waits for the apply of the bucket `buffers` back.
+a host that waits for its one buffer starts the next pack a hand-back after the buffer is free
+(`handback_s`: on a GPU the pack's own host calls a bucket, as measured; on a CPU fitted). The
+wire carries the buckets one collective at a time over the group; a receiver holds `buffers`
+buckets, so the wire waits for the apply of the bucket `buffers` back.
 """
 
 from __future__ import annotations
@@ -111,11 +112,12 @@ def simulate(buckets: list[Bucket], costs: StageCosts, buffers: int,
     wire_end, totals = 0.0, {"sender": 0.0, "wire": 0.0, "apply": 0.0}
     for i, b in enumerate(buckets):
         mine = sent.setdefault(b.sender, [])
-        free = mine[-buffers] if len(mine) >= buffers else 0.0
+        # a host that waits for its one buffer wakes the hand-back after the buffer is free
+        free = (mine[-buffers] + (handback_s if buffers == 1 else 0.0)
+                if len(mine) >= buffers else 0.0)
         taken = host_free.get(b.sender, 0.0) + costs.host[i]
-        launch = max(taken, free)  # a 1-buffer pack also waits for the buffer's hand-back
-        packed[b.sender] = max(launch + (handback_s if buffers == 1 else 0.0),
-                               packed.get(b.sender, 0.0)) + costs.device[i]
+        launch = max(taken, free)
+        packed[b.sender] = max(launch, packed.get(b.sender, 0.0)) + costs.device[i]
         host_free[b.sender] = launch if costs.overlap else packed[b.sender]
         held = applied[i - buffers] if i >= buffers else 0.0
         start = max(packed[b.sender], wire_end, held)

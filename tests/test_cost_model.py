@@ -40,9 +40,10 @@ def test_cost_model_pipeline_by_hand() -> None:
     t = simulate(b, c, 2)  # wire-bound: 1 + 3 x 3 + the last apply
     assert t.seconds == pytest.approx(10.5) and t.bound == "wire"
     assert sum(t.totals.values()) == pytest.approx(t.seconds)
-    # 1 buffer: each pack waits for the last bucket's wire and pays the hand-back, each send
-    # for the last apply: 1 + 0.5, then every bucket 0.5 + 3, then the last apply
-    assert simulate(b, c, 1, handback_s=0.5).seconds == pytest.approx(1.5 + 3 * 3.5 + 0.5 - 0.5)
+    # 1 buffer: each pack after the first waits for the last bucket's wire and starts the
+    # hand-back after it (the last apply is done by then): 1 + 3, then 2 x (0.5 + 3), then
+    # the last apply; the first bucket waits for nothing, so it pays no hand-back
+    assert simulate(b, c, 1, handback_s=0.5).seconds == pytest.approx(1 + 3 + 2 * 3.5 + 0.5)
     # a pack on the host (CPU) holds the host: 2 buffers, take 1 + pack 2 per bucket
     three = [Bucket(0, 1, 1)] * 3
     cpu = StageCosts([1.0] * 3, [2.0] * 3, [0.5] * 3, [0.0] * 3, overlap=False)
