@@ -307,7 +307,8 @@ def test_graph_send_stages_addresses_once_and_again_after_an_eager_pack() -> Non
     """A dict source's tensors stay put: from the second refit each replay finds its staging
     tables as they are (no rewrite, no wait) and still copies the values they hold now; an
     eager pack of a bucket (a source the captured variant cannot take) stages other addresses
-    in the same tables, and the next replay stages the dict's again."""
+    in the same tables, and the next replay stages the dict's again. Closed, the sender's
+    graphs go at once; a sender set up again on the same plan sends by replay of its own."""
     from common.source import DictWeightSource
 
     group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
@@ -348,6 +349,17 @@ def test_graph_send_stages_addresses_once_and_again_after_an_eager_pack() -> Non
         assert uploads() > odd  # and the replay staged the dict's again
         holds(4)
         assert sender.graphs.replays == 4 * len(packed) - 1
+        kernels = [k for b in packed for _, k in sender.layouts[b.index].kernels]
+        assert all(k.graphs for k in kernels)
+        sender.close()  # the graphs go now; a sender set up again captures its own
+        assert sender.graphs is None and not any(k.graphs for k in kernels)
+        again = RefitSender.setup(group, plan)
+        again.refit(source, 5)
+        torch.cuda.synchronize()
+        for bucket in {b.index % again.num_buffers: b for b in packed}.values():
+            for name, got in again.layouts[bucket.index].unpack():
+                assert torch.equal(got, weights[name]), name
+        assert again.graphs.replays == len(packed)
     finally:
         group.destroy()
 
