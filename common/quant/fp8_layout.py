@@ -64,12 +64,15 @@ def _addressing(layout: Fp8Layout) -> Fp8Addressing:
         np.array([k for k, _ in here], np.int64), np.array([t for _, t in here], np.int64),
         tuple((k, n) for k, n in layout.scales if n not in target_of),
         tuple((t, n) for t, (_, n) in enumerate(layout.targets) if n not in sent_here),
-        _picker([inner_at[k] for k, _ in layout.targets]),
+        _picker([inner_at[k] for k, _ in layout.targets], len(layout.inner)),
         [list(g) for g in layout.groups], order, target_inner[order])
 
 
-def _picker(positions: list[int]) -> Callable[[list], list]:
-    """`items` -> [items[i] for i in positions], by one C-level `itemgetter`."""
+def _picker(positions: list[int], count: int) -> Callable[[list], list]:
+    """`items` (`count` of them) -> [items[i] for i in positions], by one C-level
+    `itemgetter`; `items` itself where that is all of them in order (no copy)."""
+    if positions == list(range(count)):
+        return lambda items: items
     if len(positions) < 2:  # itemgetter of one position gives the item, not a tuple
         return lambda items: [items[i] for i in positions]
     get = itemgetter(*positions)
