@@ -44,7 +44,9 @@ class PreparedBucket:
     filled bytes are wrong (a non-finite weight; it then also wrote the int64 `value` at
     `address`, the frame header's status word, so that no receiver loads them), or None.
     `stage_fill` (on CUDA), the same in two steps for a frame sent as a CUDA graph replay: it
-    makes the writes ready for those addresses and returns them as a `StagedFill`."""
+    makes the writes ready for those addresses and returns them as a `StagedFill`; `held`:
+    what they read stays alive after the send (a dict's tensors, the source's own scales),
+    so such a frame may wait for the next ones and go in one launch with them."""
 
     names: tuple[str, ...]
     ptrs: np.ndarray  # int64, one per name
@@ -54,6 +56,7 @@ class PreparedBucket:
     fill: Callable[[np.ndarray, tuple[int, int]], Callable[[], str | None]] | None = None
     filled: np.ndarray | None = None  # the slots `fill` writes
     stage_fill: Callable[[np.ndarray, tuple[int, int]], StagedFill] | None = None
+    held: bool = False  # what the writes read outlives the send (a dict's tensors): may wait
 
 
 class StagedFill(NamedTuple):

@@ -34,7 +34,8 @@ def frames_hold_the_quantizers_bytes(device: str, graph_send: bool = False) -> i
     straight into the frames). Then a refit with a NaN in one expert fails naming it, its
     frame's header not OK (on a GPU the kernel marked it NONFINITE; elsewhere the sender sent
     an ABORT before it), and the next refit lands; new values at the same addresses land bit
-    for bit too (with `graph_send`, every whole frame by replay, the filled ones included).
+    for bit too (with `graph_send`, every whole frame by replay, the filled ones included, a
+    dict's frames in runs of several a launch).
     Returns how many tensors were checked."""
     weights = {n: t.to(device) for n, t in bf16_weights(1).items()}
     targets = Fp8Targets(BlockFp8Format(), frozenset(n for n in weights if is_target(n)))
@@ -53,12 +54,15 @@ def frames_hold_the_quantizers_bytes(device: str, graph_send: bool = False) -> i
         _nan_refit_is_refused(sender, source, weights, bad)
         for tensor in weights.values():
             tensor.mul_(-2)  # exact in bf16
-        replays = sender.graphs.replays if graph_send else 0
+        replays, launches = (sender.graphs.replays, sender.graphs.launches) if graph_send \
+            else (0, 0)
         sender.refit(source, 4)
         checked += _frames_checked(sender, weights, targets)
-        if graph_send:  # every whole frame by replay, those the source fills too
+        if graph_send:  # every whole frame by replay, those the source fills too, in runs
             whole = sum(not b.direct for b in plan.buckets)
             assert sender.graphs.replays - replays == whole, (sender.graphs.replays, whole)
+            assert 1 < sender.graphs.launches - launches < whole, (sender.graphs.launches,
+                                                                   whole)
     finally:
         group.destroy()
     assert source.by_address > 1 and checked > 2 * len(targets.names), (source.by_address,

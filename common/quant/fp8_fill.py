@@ -91,9 +91,11 @@ def fillable(targets: list[tuple[str, torch.Tensor]], groups, fmt: BlockFp8Forma
 
 
 def fill_bucket(layout, got: list, targets: list, inner_at: np.ndarray, scales: dict,
-                state: FillState, bucket: int, fmt: BlockFp8Format) -> PreparedBucket | None:
+                state: FillState, bucket: int, fmt: BlockFp8Format,
+                held: bool) -> PreparedBucket | None:
     """The bucket (`layout`: its `Fp8Layout`; `got`: its inner items, `targets` the FP8
-    ones among them, `inner_at` their addresses) as a `PreparedBucket` the sender fills; None
+    ones among them, `inner_at` their addresses; `held`: the items outlive the send, a
+    dict's) as a `PreparedBucket` the sender fills; None
     when a scale of an earlier bucket's target is not a tensor (its items then say why).
     Takes that bucket's scales out of `scales` and puts this one's later scales (tensors the
     fill writes, kept in `state`) in."""
@@ -147,7 +149,7 @@ def fill_bucket(layout, got: list, targets: list, inner_at: np.ndarray, scales: 
 
     return PreparedBucket(layout.names, ptrs, views, device, (got, carried, later), fill,
                           np.concatenate([a.target_pos, a.scale_pos]),
-                          stage_fill if device.type == "cuda" else None)
+                          stage_fill if device.type == "cuda" else None, held)
 
 
 def bucket_addresses(layout, inner_at: np.ndarray, carried: list) -> np.ndarray:

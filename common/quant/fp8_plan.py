@@ -174,7 +174,7 @@ class Fp8Source:
         state = None  # what the fills keep between refits (`FillState`), from the first fill
         layouts = self._bucket_layouts(plan)
         for index, layout in enumerate(layouts):
-            got, addresses = self._take(inner, layout, taken)  # (name, tensor), in order
+            got, addresses, held = self._take(inner, layout, taken)  # (name, tensor)s
             if len(got) < len(layout.inner):
                 raise ValueError(f"the weight source ended before {layout.names[0]!r}'s bucket "
                                  f"was complete ({len(got)} of {len(layout.inner)} tensors)")
@@ -186,7 +186,7 @@ class Fp8Source:
                     ahead = None
                 state = state or self._fill_state(plan, got[0][1].device)
                 if (prepared := fill_bucket(layout, got, targets, addresses, scales, state,
-                                            index, self.targets.fmt)) is not None:
+                                            index, self.targets.fmt, held)) is not None:
                     self.by_address += 1
                     yield prepared
                     continue
@@ -199,11 +199,12 @@ class Fp8Source:
             yield from self._settled(*ahead, scales)
 
     def _take(self, inner: Iterator, layout: Fp8Layout,
-              taken: int) -> tuple[list, np.ndarray | None]:
+              taken: int) -> tuple[list, np.ndarray | None, bool]:
         """The bucket's inner items and, when one native pass found every one with its
         planned name, shape and dtype, contiguous on the targets' device, their addresses (in
         `layout.inner` order; None where not so, or without the native module). From a dict
-        source (`MappingItems`) the pass takes them straight from its dict."""
+        source (`MappingItems`) the pass takes them straight from its dict: then they are
+        held (the dict's own tensors, alive after the send)."""
         if isinstance(inner, MappingItems) and inner.position == taken and layout.targets:
             x = inner.mapping.get(layout.names[layout.targets[0][0]])
             if isinstance(x, torch.Tensor) and (scan := self._scan(layout, x.device)):
@@ -211,15 +212,15 @@ class Fp8Source:
                 if tensors is not None:
                     inner.advance(len(layout.inner))
                     got = list(zip(scan.names, tensors, strict=True))
-                    return got, None if ptrs is None else ptrs.copy()
+                    return got, None if ptrs is None else ptrs.copy(), True
         got = list(itertools.islice(inner, len(layout.inner)))
         if len(got) < len(layout.inner) or not layout.targets:
-            return got, None
+            return got, None, False
         x = layout.addressing.targets_of(got)[0][1]
         if not isinstance(x, torch.Tensor) or (scan := self._scan(layout, x.device)) is None:
-            return got, None
+            return got, None, False
         ptrs = scan.take(got)[1]
-        return got, None if ptrs is None else ptrs.copy()
+        return got, None if ptrs is None else ptrs.copy(), False
 
     def _start(self, got: list, layout: Fp8Layout,
                addresses: np.ndarray | None) -> tuple[Fp8Batch, np.ndarray | None]:

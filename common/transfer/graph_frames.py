@@ -16,10 +16,11 @@ receivers' eager broadcasts pair with the replayed ones: every rank keeps the pl
 
 Only whole frames from their source go this way (not a direct bucket, a compact frame, a delta
 or an ABORT), those its source fills too (an FP8 bucket, `PreparedBucket.stage_fill`: the
-fill's launches first in the graph, then the pack of the other slots; launched at once); a
-bucket whose capture failed, or whose sources need another kernel variant than the captured
-one, goes eagerly; where the broadcast cannot be captured, the graph holds the rest and the
-broadcast follows each replay eagerly. `RefitConfig.graph_send` turns it on.
+fill's launches first in the graph, then the pack of the other slots; in runs where the source
+holds what the fill reads, `PreparedBucket.held`); a bucket whose capture failed, or whose
+sources need another kernel variant than the captured one, goes eagerly; where the broadcast
+cannot be captured, the graph holds the rest and the broadcast follows each replay eagerly.
+`RefitConfig.graph_send` turns it on.
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ class GraphFrames:
                     mark: tuple[int, int]) -> tuple[object | None, Callable | None]:
         """Replay frame `key` whose source fills its slots (`PreparedBucket.stage_fill`,
         marking `mark` as `fill` does): the fill's launches, the pack kernels of the other
-        slots (from `prepared.ptrs`), the header and the broadcast as one graph, launched now.
+        slots (from `prepared.ptrs`), the header and the broadcast as one graph, launched now
+        or, where what the fill reads is `held` (a dict's tensors), with its run.
         Returns what to wait for and the fill's check; (None, None): send it eagerly (after
         a flush: the fill may have been staged, nothing launched)."""
         tables = layout.other_tables(prepared)
@@ -169,7 +171,7 @@ class GraphFrames:
             return None, None
         for kernel, table, _ in tables:
             kernel.ptrs.stage(table, table.tobytes())
-        return self._submit(full, entry, header_address, False), staged.check
+        return self._submit(full, entry, header_address, prepared.held), staged.check
 
     def _submit(self, key: tuple, entry: _Captured, header_address: int,
                 held: bool) -> object | None:
