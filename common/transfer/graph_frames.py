@@ -93,15 +93,17 @@ class GraphFrames:
     first send). Where the transport's broadcast cannot be captured, the graphs hold the pack,
     header and checksum, and the broadcast goes eagerly after each replay.
 
-    Frames whose sources the weight source keeps alive (a dict's tensors, not copies the
-    sender frees after the send) wait in a pending run of up to `per_run` and go as one graph
-    of the run (a graph launch costs host time like a frame's own work); the first frame of a
-    refit goes alone, so the device starts at once. The sender calls `flush` before anything else
-    reaches the group or the frames' buffers (an eager frame, the end of a refit): the run's
-    frames then precede it on the stream and on the wire. `per_run` is at most the buffer
-    count plus one: a trainer that sources none of the run takes at most that many buckets
-    past the run's first before it waits for that frame, so the run's source can take (and
-    gather with it) every bucket of the run before launching it."""
+    Frames whose sources the weight source keeps alive (a dict's tensors, not copies the sender
+    frees after the send) wait in a pending run of up to `per_run` and go as one graph of the
+    run (a graph launch costs host time like a frame's own work); the first frame of a refit
+    goes alone, so the device starts at once, and a run goes early once the device has run
+    everything launched before it (buckets whose host work outlasts their device work, an FP8
+    fill's, would otherwise leave it idle while the run fills). The sender calls `flush` before
+    anything else reaches the group or the frames' buffers (an eager frame, the end of a refit):
+    the run's frames then precede it on the stream and on the wire. `per_run` is at most the
+    buffer count plus one: a trainer that sources none of the run takes at most that many
+    buckets past the run's first before it waits for that frame, so the run's source can take
+    (and gather with it) every bucket of the run before launching it."""
 
     def __init__(self, group: Transport, checksums: bool, per_run: int = 1) -> None:
         self.group, self.checksums, self.per_run = group, checksums, per_run
@@ -114,6 +116,8 @@ class GraphFrames:
         self.failure: str | None = None  # why capturing the broadcast failed (logged once)
         self.replays = 0  # frames sent by replay so far
         self.launches = 0  # graph launches (a run's frames in one)
+        self._last: torch.cuda.Event | None = None  # recorded after the last launch
+        self.pace = True  # a run goes early once the device has drained (off: runs go full)
         # One memory pool for every graph (the checksum's scratch): the replays run one after
         # another on one stream, so they can share it.
         self._pool: tuple | None = None
@@ -191,12 +195,15 @@ class GraphFrames:
         self._pending.append((key, entry, work))
         if self._fresh or not held or len(self._pending) >= self.per_run:
             self.flush()
+        elif self.pace and self._drained():
+            self.flush(early=True)
         self._fresh = False
         return work
 
-    def flush(self) -> None:
+    def flush(self, early: bool = False) -> None:
         """Launch the pending run's frames (one graph; each frame's own where the run's
-        cannot be captured)."""
+        cannot be captured, or where an `early` run, cut short by the device's pace, has
+        none yet: such cuts vary from refit to refit, so they capture nothing)."""
         if not (pending := self._pending):
             return
         self._pending = []
@@ -205,7 +212,9 @@ class GraphFrames:
         if len(pending) > 1:
             keys = tuple(key for key, _, _ in pending)
             if (run := self._runs.get(keys, _Run)) is _Run:
-                run = self._runs[keys] = self._capture_run([e for _, e, _ in pending])
+                run = None if early else self._capture_run([e for _, e, _ in pending])
+                if not early:
+                    self._runs[keys] = run
         if run is not None:
             self._launch(run.graph, run.event)
             for _, _, work in pending:
@@ -240,6 +249,12 @@ class GraphFrames:
                 graph.replay()
         event.record(current_stream(self.device_index))
         self.launches += 1
+        self._last = event
+
+    def _drained(self) -> bool:
+        """Whether the device has run everything launched so far: a pending run goes now
+        rather than leave the device idle while the host takes the run's next buckets."""
+        return self._last is not None and self._last.query()
 
     def _capture(self, layout: BucketLayout, frame: tuple) -> _Captured | None:
         """The frame's graph (with its broadcast unless that failed to capture before), or
