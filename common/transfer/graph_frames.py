@@ -94,16 +94,17 @@ class GraphFrames:
     header and checksum, and the broadcast goes eagerly after each replay.
 
     Frames whose sources the weight source keeps alive (a dict's tensors, not copies the sender
-    frees after the send) wait in a pending run of up to `per_run` and go as one graph of the
-    run (a graph launch costs host time like a frame's own work); the first frame of a refit
-    goes alone, so the device starts at once, and a run goes early once the device has run
-    everything launched before it (buckets whose host work outlasts their device work, an FP8
-    fill's, would otherwise leave it idle while the run fills). The sender calls `flush` before
-    anything else reaches the group or the frames' buffers (an eager frame, the end of a refit):
-    the run's frames then precede it on the stream and on the wire. `per_run` is at most the
-    buffer count plus one: a trainer that sources none of the run takes at most that many
-    buckets past the run's first before it waits for that frame, so the run's source can take
-    (and gather with it) every bucket of the run before launching it."""
+    frees after the send) wait in a pending run of up to `per_run` (runs end at fixed positions
+    of the refit) and go as one graph of the run (a graph launch costs host time like a frame's
+    own work); the first frame of a refit goes alone, so the device starts at once, and a run
+    goes early once the device has run everything launched before it (buckets whose host work
+    outlasts their device work, an FP8 fill's, would otherwise leave it idle while the run
+    fills). The sender calls `flush` before anything else reaches the group or the frames'
+    buffers (an eager frame, the end of a refit): the run's frames then precede it on the stream
+    and on the wire. `per_run` is at most the buffer count plus one: a trainer that sources none
+    of the run takes at most that many buckets past the run's first before it waits for that
+    frame, so the run's source can take (and gather with it) every bucket of the run before
+    launching it."""
 
     def __init__(self, group: Transport, checksums: bool, per_run: int = 1) -> None:
         self.group, self.checksums, self.per_run = group, checksums, per_run
@@ -118,6 +119,8 @@ class GraphFrames:
         self.launches = 0  # graph launches (a run's frames in one)
         self._last: torch.cuda.Event | None = None  # recorded after the last launch
         self.pace = True  # a run goes early once the device has drained (off: runs go full)
+        self._position = 0  # frames of this refit so far: runs end at multiples of per_run
+        self._cut = False  # the current run went early: the rest of it captures nothing
         # One memory pool for every graph (the checksum's scratch): the replays run one after
         # another on one stream, so they can share it.
         self._pool: tuple | None = None
@@ -193,17 +196,20 @@ class GraphFrames:
         self.group.count_moved(entry.nbytes)
         work = ReplayWork()
         self._pending.append((key, entry, work))
-        if self._fresh or not held or len(self._pending) >= self.per_run:
+        position, self._position = self._position, self._position + 1
+        if self._fresh or not held or position % self.per_run == 0:
             self.flush()
+            self._cut = False
         elif self.pace and self._drained():
-            self.flush(early=True)
+            self._cut = True
+            self.flush()
         self._fresh = False
         return work
 
-    def flush(self, early: bool = False) -> None:
+    def flush(self) -> None:
         """Launch the pending run's frames (one graph; each frame's own where the run's
-        cannot be captured, or where an `early` run, cut short by the device's pace, has
-        none yet: such cuts vary from refit to refit, so they capture nothing)."""
+        cannot be captured, or where a run cut short by the device's pace has none yet:
+        cuts vary from refit to refit, so the rest of a cut run captures nothing)."""
         if not (pending := self._pending):
             return
         self._pending = []
@@ -212,8 +218,8 @@ class GraphFrames:
         if len(pending) > 1:
             keys = tuple(key for key, _, _ in pending)
             if (run := self._runs.get(keys, _Run)) is _Run:
-                run = None if early else self._capture_run([e for _, e, _ in pending])
-                if not early:
+                run = None if self._cut else self._capture_run([e for _, e, _ in pending])
+                if not self._cut:
                     self._runs[keys] = run
         if run is not None:
             self._launch(run.graph, run.event)
@@ -228,7 +234,7 @@ class GraphFrames:
         """A refit starts: its first frame goes alone; frames a failed refit left pending are
         dropped (never launched); after a re-plan (`replans`: how many so far) every graph
         is captured again, on the new subgroups."""
-        self._pending, self._fresh = [], True
+        self._pending, self._fresh, self._position, self._cut = [], True, 0, False
         if replans != self._replans:
             self._graphs, self._runs, self._replans = {}, {}, replans
 
