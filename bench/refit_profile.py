@@ -142,8 +142,6 @@ def main() -> int:
     ap.add_argument("--fp8", action="store_true", help="every 2-D *proj.weight in block FP8")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--host", type=int, default=0, help="cProfile one more refit: top N")
-    ap.add_argument("--no-pace", action="store_true",
-                    help="graph runs go full, never early (`GraphFrames.pace` off)")
     ap.add_argument("--timeline", type=int, default=0,
                     help="print the profiled refits' first N device events (idle before each)")
     ap.add_argument("--cpu", action="store_true", help="a small CPU run (gloo; no kernels)")
@@ -183,10 +181,7 @@ def main() -> int:
             if args.after_mode == "new-group":
                 group.destroy()
                 group = new_group()
-        sender = RefitSender.setup(group, plan)
-        if args.no_pace and sender.graphs is not None:
-            sender.graphs.pace = False
-        report = profile_refits(sender, source, args)
+        report = profile_refits(RefitSender.setup(group, plan), source, args)
     finally:
         group.destroy()
     args.reps = 5

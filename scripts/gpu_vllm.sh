@@ -29,6 +29,9 @@ if [ "${1:-}" = profile ]; then  # issues 37 and 38: one text file in $OUT
     python3 bench/refit_profile.py --list $list --bucket-mib 64 --graph-send
     # a sweep's later cases (the model list's 64 MiB ran ~1.5x one copy there, ~1.2x first)
     python3 bench/refit_profile.py --list $list --bucket-mib 64 --graph-send --after 1
+    # the same with the earlier sender left open (its frames' graphs alive): the contrast
+    python3 bench/refit_profile.py --list $list --bucket-mib 64 --graph-send --after 1 \
+      --after-mode open
     python3 bench/refit_profile.py --list $list --bucket-mib 256 --fp8 --graph-send --host 30
     python3 bench/refit_profile.py --list $list --bucket-mib 256 --fp8 --host 30
   done > "$out/refit_profile_${gpu}.txt" 2>&1

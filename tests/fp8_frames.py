@@ -48,8 +48,6 @@ def frames_hold_the_quantizers_bytes(device: str, graph_send: bool = False) -> i
                        num_trainers=1, timeout_s=60, device=device)
     try:
         sender = RefitSender.setup(group, plan)
-        if graph_send:
-            sender.graphs.pace = False  # runs go full (tiny buckets drain the device at once)
         sender.refit(source, 1)
         checked = _frames_checked(sender, weights, targets)
         bad = sorted(targets.names)[-1]

@@ -93,18 +93,15 @@ class GraphFrames:
     first send). Where the transport's broadcast cannot be captured, the graphs hold the pack,
     header and checksum, and the broadcast goes eagerly after each replay.
 
-    Frames whose sources the weight source keeps alive (a dict's tensors, not copies the sender
-    frees after the send) wait in a pending run of up to `per_run` (runs end at fixed positions
-    of the refit) and go as one graph of the run (a graph launch costs host time like a frame's
-    own work); the first frame of a refit goes alone, so the device starts at once, and a run
-    goes early once the device has run everything launched before it (buckets whose host work
-    outlasts their device work, an FP8 fill's, would otherwise leave it idle while the run
-    fills). The sender calls `flush` before anything else reaches the group or the frames'
-    buffers (an eager frame, the end of a refit): the run's frames then precede it on the stream
-    and on the wire. `per_run` is at most the buffer count plus one: a trainer that sources none
-    of the run takes at most that many buckets past the run's first before it waits for that
-    frame, so the run's source can take (and gather with it) every bucket of the run before
-    launching it."""
+    Frames whose sources the weight source keeps alive (a dict's tensors, not copies the
+    sender frees after the send) wait in a pending run of up to `per_run` and go as one graph
+    of the run (a graph launch costs host time like a frame's own work); the first frame of a
+    refit goes alone, so the device starts at once. The sender calls `flush` before anything else
+    reaches the group or the frames' buffers (an eager frame, the end of a refit): the run's
+    frames then precede it on the stream and on the wire. `per_run` is at most the buffer
+    count plus one: a trainer that sources none of the run takes at most that many buckets
+    past the run's first before it waits for that frame, so the run's source can take (and
+    gather with it) every bucket of the run before launching it."""
 
     def __init__(self, group: Transport, checksums: bool, per_run: int = 1) -> None:
         self.group, self.checksums, self.per_run = group, checksums, per_run
@@ -117,10 +114,6 @@ class GraphFrames:
         self.failure: str | None = None  # why capturing the broadcast failed (logged once)
         self.replays = 0  # frames sent by replay so far
         self.launches = 0  # graph launches (a run's frames in one)
-        self._last: torch.cuda.Event | None = None  # recorded after the last launch
-        self.pace = True  # a run goes early once the device has drained (off: runs go full)
-        self._position = 0  # frames of this refit so far: runs end at multiples of per_run
-        self._cut = False  # the current run went early: the rest of it captures nothing
         # One memory pool for every graph (the checksum's scratch): the replays run one after
         # another on one stream, so they can share it.
         self._pool: tuple | None = None
@@ -196,20 +189,14 @@ class GraphFrames:
         self.group.count_moved(entry.nbytes)
         work = ReplayWork()
         self._pending.append((key, entry, work))
-        position, self._position = self._position, self._position + 1
-        if self._fresh or not held or position % self.per_run == 0:
-            self.flush()
-            self._cut = False
-        elif self.pace and self._drained():
-            self._cut = True
+        if self._fresh or not held or len(self._pending) >= self.per_run:
             self.flush()
         self._fresh = False
         return work
 
     def flush(self) -> None:
         """Launch the pending run's frames (one graph; each frame's own where the run's
-        cannot be captured, or where a run cut short by the device's pace has none yet:
-        cuts vary from refit to refit, so the rest of a cut run captures nothing)."""
+        cannot be captured)."""
         if not (pending := self._pending):
             return
         self._pending = []
@@ -218,9 +205,7 @@ class GraphFrames:
         if len(pending) > 1:
             keys = tuple(key for key, _, _ in pending)
             if (run := self._runs.get(keys, _Run)) is _Run:
-                run = None if self._cut else self._capture_run([e for _, e, _ in pending])
-                if not self._cut:
-                    self._runs[keys] = run
+                run = self._runs[keys] = self._capture_run([e for _, e, _ in pending])
         if run is not None:
             self._launch(run.graph, run.event)
             for _, _, work in pending:
@@ -234,7 +219,7 @@ class GraphFrames:
         """A refit starts: its first frame goes alone; frames a failed refit left pending are
         dropped (never launched); after a re-plan (`replans`: how many so far) every graph
         is captured again, on the new subgroups."""
-        self._pending, self._fresh, self._position, self._cut = [], True, 0, False
+        self._pending, self._fresh = [], True
         if replans != self._replans:
             self._graphs, self._runs, self._replans = {}, {}, replans
 
@@ -255,12 +240,6 @@ class GraphFrames:
                 graph.replay()
         event.record(current_stream(self.device_index))
         self.launches += 1
-        self._last = event
-
-    def _drained(self) -> bool:
-        """Whether the device has run everything launched so far: a pending run goes now
-        rather than leave the device idle while the host takes the run's next buckets."""
-        return self._last is not None and self._last.query()
 
     def _capture(self, layout: BucketLayout, frame: tuple) -> _Captured | None:
         """The frame's graph (with its broadcast unless that failed to capture before), or
