@@ -114,6 +114,15 @@ def profile_refits(sender: RefitSender, source: Any, args: argparse.Namespace) -
             "stats": median_stats(all_stats)}
 
 
+def setup_sender(group: RefitGroup, plan: RefitPlan, args: argparse.Namespace) -> RefitSender:
+    """A sender of `plan`; with `--eager-broadcast` its frames' graphs hold no broadcast (each
+    frame's goes eagerly after its replay, as where capturing it failed)."""
+    sender = RefitSender.setup(group, plan)
+    if args.eager_broadcast and sender.graphs is not None:
+        sender.graphs.failure = "--eager-broadcast"
+    return sender
+
+
 def release(earlier: list[RefitSender], mode: str) -> None:
     """The last earlier sender as `--after-mode` says: closed (and dropped), left open, only
     its frames' graphs or only its pack kernels' destroyed (kept), closed but kept, closed
@@ -142,6 +151,8 @@ def main() -> int:
     ap.add_argument("--fp8", action="store_true", help="every 2-D *proj.weight in block FP8")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--host", type=int, default=0, help="cProfile one more refit: top N")
+    ap.add_argument("--eager-broadcast", action="store_true",
+                    help="graph frames without their NCCL broadcast (sent eagerly after each)")
     ap.add_argument("--timeline", type=int, default=0,
                     help="print the profiled refits' first N device events (idle before each)")
     ap.add_argument("--cpu", action="store_true", help="a small CPU run (gloo; no kernels)")
@@ -174,14 +185,14 @@ def main() -> int:
     try:
         plan = RefitPlan.build(source.plan_specs(), config)
         for _ in range(args.after):
-            earlier.append(RefitSender.setup(group, plan))
+            earlier.append(setup_sender(group, plan, args))
             for version in range(1, 4):
                 earlier[-1].refit(source, version)
             release(earlier, args.after_mode)
             if args.after_mode == "new-group":
                 group.destroy()
                 group = new_group()
-        report = profile_refits(RefitSender.setup(group, plan), source, args)
+        report = profile_refits(setup_sender(group, plan, args), source, args)
     finally:
         group.destroy()
     args.reps = 5
