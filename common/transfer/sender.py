@@ -89,7 +89,8 @@ class RefitSender(Endpoint):
     def close(self) -> None:
         """Release the CUDA graphs this sender captured (its frames', its pack kernels') now,
         not at a later garbage collection: call it when the sender is replaced (a new plan,
-        a new group). A refit after it raises."""
+        a new group). A refit after it raises. With `graph_send`, frame graphs captured after
+        others were destroyed launch more slowly on the device (docs/architecture.md)."""
         if self.graphs is not None:
             self.graphs.release()
         for layout in self.layouts.values():
