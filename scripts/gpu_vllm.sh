@@ -9,8 +9,9 @@
 #   scripts/gpu_vllm.sh fp8     the FP8 CUDA engine test alone
 #   scripts/gpu_vllm.sh bench   bench/cuda_engine_bench.py alone (its figures want the machine to itself)
 #   scripts/gpu_vllm.sh profile where the sender's refits spend device and host time (no chunks):
-#                               bench/refit_profile.py, graph replay at 64 MiB (a first sender, and
-#                               one after another) and FP8 at 256 MiB
+#                               bench/refit_profile.py, graph replay at 64 MiB (a first sender, one
+#                               after another closed or left open, with and without the captured
+#                               broadcast) and FP8 at 256 MiB
 #   scripts/gpu_vllm.sh sweep   the sender sweep, its calibration run, the FP8 bench (no vLLM: no chunks;
 #                               GRAPH_SEND=off leaves out the frames sent by graph replay;
 #                               SWEEP_ARGS: more sender_sweep.py arguments, e.g. "--buffers 2,3")
@@ -32,6 +33,10 @@ if [ "${1:-}" = profile ]; then  # issues 37 and 38: one text file in $OUT
     # the same with the earlier sender left open (its frames' graphs alive): the contrast
     python3 bench/refit_profile.py --list $list --bucket-mib 64 --graph-send --after 1 \
       --after-mode open
+    # and without the captured broadcast: is it the NCCL node of the destroyed graphs?
+    python3 bench/refit_profile.py --list $list --bucket-mib 64 --graph-send --eager-broadcast
+    python3 bench/refit_profile.py --list $list --bucket-mib 64 --graph-send --eager-broadcast \
+      --after 1
     python3 bench/refit_profile.py --list $list --bucket-mib 256 --fp8 --graph-send --host 30
     python3 bench/refit_profile.py --list $list --bucket-mib 256 --fp8 --host 30
   done > "$out/refit_profile_${gpu}.txt" 2>&1
