@@ -7,12 +7,18 @@ calls by cProfile, to stderr); one whose device time exceeds the copy's is the k
     python3 bench/refit_profile.py --list qwen3_30b_a3b --bucket-mib 64 --graph-send
     python3 bench/refit_profile.py --list moe --bucket-mib 256 --fp8 --host 40
     python3 bench/refit_profile.py --list qwen3_30b_a3b --graph-send --after 1  # later case
+    python3 bench/refit_profile.py --list qwen3_30b_a3b --graph-send --after 1 --after-mode open
+    python3 bench/refit_profile.py --list moe --bucket-mib 256 --fp8 --graph-send --timeline 60
+
+A later sender (`--after`) of a process whose earlier sender's frame graphs were destroyed
+ran slower than the first on the H100 lends (the device idle between graph launches); the
+`--after-mode` variants and `--eager-broadcast` (no captured broadcast) narrow down why.
 
 The last line is one JSON object: `wall_ms`, `device_busy_ms`, `copy_ms` (one copy of the
 list's bf16 bytes), `kernels` (name -> [count, ms] a refit), `idle` (the device's gaps of over
 20 us between its first and last kernel of the profiled refits: count and ms a refit, the
 largest five with the kernel that ended before each) and `stats` (the timed refits' median
-produce / pack / wait / send seconds, in ms).
+replan / produce / pack / wait / send seconds and the whole, in ms).
 """
 
 from __future__ import annotations
