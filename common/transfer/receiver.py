@@ -17,6 +17,7 @@ from common.plan import Bucket, RefitPlan
 from common.shard.needs import Needs
 from common.shard.replan import Route
 from common.stats import RefitStats
+from common.timer_slack import fine_timer_slack
 from common.transfer.apply_device import ApplyDevice
 from common.transfer.endpoint import Endpoint
 from common.transfer.frame_checks import checksum_error, first_differing_name, header_error
@@ -95,8 +96,15 @@ class RefitReceiver(Endpoint):
         status exchange, so its failure reaches every rank too; what it returns (a hash of the
         bytes the worker loaded) goes to every rank in the status record. `verify`: the trainers
         resend the version this worker holds; it takes whole frames and fails the refit if
-        a byte differs from its base.
+        a byte differs from its base. The thread's timer slack is cut meanwhile
+        (`common.timer_slack`): the waits' sleeps end on time.
         """
+        with fine_timer_slack():
+            return self._receive(on_bucket, on_done, version, on_compact, verify)
+
+    def _receive(self, on_bucket: BucketCallback, on_done: Callable[[], str | None] | None,
+                 version: int | None, on_compact: CompactCallback | None,
+                 verify: bool) -> RefitStats:
         stats = RefitStats(-1, len(self.plan.buckets), self.plan.total_bytes, role="receiver")
         t0 = time.perf_counter()
         self.applied, self._verify, self.undo_refusal = [], verify, None

@@ -45,6 +45,7 @@ from common.plan import Bucket, RefitPlan
 from common.shard.replan import Route
 from common.source import WeightSource
 from common.stats import RefitStats
+from common.timer_slack import fine_timer_slack
 from common.transfer.bucket_check import BucketChecker
 from common.transfer.endpoint import Endpoint
 from common.transfer.graph_frames import GraphFrames, ReplayWork
@@ -128,12 +129,13 @@ class RefitSender(Endpoint):
     def refit(self, source: WeightSource, version: int) -> RefitStats:
         """Send one complete set of weights, tagged `version`; returns this rank's stats.
         With deltas on, the shadows take this version only if it landed on every rank.
-        Python's garbage collector is paused meanwhile (`common.gc_pause`)."""
+        Python's garbage collector is paused meanwhile (`common.gc_pause`), and the thread's
+        timer slack cut so that the waits' sleeps end on time (`common.timer_slack`)."""
         if self.closed:
             raise RefitError(f"{self.group.label}: refit v{version} on a closed sender (set "
                              "up a new one with RefitSender.setup)")
         try:
-            with gc_paused():
+            with gc_paused(), fine_timer_slack():
                 stats = self._refit(source, version)
         except BaseException:
             if self.shadows is not None:
