@@ -1,11 +1,13 @@
-"""The calling thread's timer slack cut to a microsecond for the length of a refit (Linux).
+"""The calling thread's timer slack cut to a microsecond for the length of a CUDA refit (Linux).
 
 A refit's waits poll a collective's completion and sleep between polls (20 us on NCCL); the
 kernel may stretch each sleep by the thread's timer slack, 50 us by default, so a
 `time.sleep(20e-6)` lasts ~75 us, and a sender that waits for a buffer wakes ~50 us after it
-was free, once per bucket. With a slack of `REFIT_TIMER_SLACK_NS` (default 1000) the same
-sleep lasts ~25 us; the previous slack comes back when the refit ends. `REFIT_TIMER_SLACK_NS=0`
-leaves it alone; elsewhere than Linux, nothing happens. No vllm or megatron import here.
+was free, once per bucket. With a slack of 1 us the same sleep lasts ~25 us; the previous
+slack comes back when the refit ends. A CPU (gloo) refit, whose collectives take milliseconds
+and whose processes share few cores, keeps its slack. `REFIT_TIMER_SLACK_NS` sets the slack
+for every refit (0: never touched); elsewhere than Linux, nothing happens. No vllm or megatron
+import here.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ def current_slack_ns() -> int | None:
 
 
 @contextlib.contextmanager
-def fine_timer_slack() -> Iterator[None]:
-    """This thread's timer slack at `REFIT_TIMER_SLACK_NS` inside, as it was after."""
-    wanted = int(os.environ.get("REFIT_TIMER_SLACK_NS", "1000"))
+def fine_timer_slack(cuda: bool) -> Iterator[None]:
+    """This thread's timer slack inside: `REFIT_TIMER_SLACK_NS` if set, else 1 us for a
+    `cuda` refit (left alone for others); as it was after."""
+    wanted = int(os.environ.get("REFIT_TIMER_SLACK_NS", "1000" if cuda else "0"))
     before = current_slack_ns() if wanted > 0 else None
     if before is None or before == wanted:
         yield

@@ -1,7 +1,8 @@
-"""A refit cuts its thread's timer slack (so the waits' 20 us sleeps end on time) and gives it
-back as it was, on the sender and on the receiver, also after a failed refit; left alone with
-`REFIT_TIMER_SLACK_NS=0`. A 2-rank gloo group in this process: the receiver in a thread (the
-slack is a thread's own)."""
+"""A CUDA refit cuts its thread's timer slack (so the waits' 20 us sleeps end on time) and gives
+it back as it was, on the sender and on the receiver, also after a failed refit; a CPU refit
+leaves it alone unless `REFIT_TIMER_SLACK_NS` says otherwise (0: never). A 2-rank gloo group in
+this process, the slack set by the variable: the receiver in a thread (the slack is a thread's
+own)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def receive(port: int, refits: int, seen: list) -> None:
 
 
 def test_timer_slack_cut_for_a_refit_and_given_back(monkeypatch) -> None:
-    monkeypatch.delenv("REFIT_TIMER_SLACK_NS", raising=False)
+    monkeypatch.setenv("REFIT_TIMER_SLACK_NS", "1000")
     before, port, seen = current_slack_ns(), free_port(), []
     assert before is not None and before > 1000  # the kernel's default: 50 us
     thread = threading.Thread(target=receive, args=(port, 2, seen))
@@ -81,12 +82,30 @@ def test_timer_slack_cut_for_a_refit_and_given_back(monkeypatch) -> None:
     assert [s for s in seen if isinstance(s, tuple)] == [("after", before)] * 2
 
 
-def test_timer_slack_set_or_left_alone_by_the_environment(monkeypatch) -> None:
+def test_timer_slack_by_device_and_environment(monkeypatch) -> None:
     before = current_slack_ns()
+    monkeypatch.delenv("REFIT_TIMER_SLACK_NS", raising=False)
+    with fine_timer_slack(cuda=True):
+        assert current_slack_ns() == 1000
+    with fine_timer_slack(cuda=False):
+        assert current_slack_ns() == before
     monkeypatch.setenv("REFIT_TIMER_SLACK_NS", "0")
-    with fine_timer_slack():
+    with fine_timer_slack(cuda=True):
         assert current_slack_ns() == before
     monkeypatch.setenv("REFIT_TIMER_SLACK_NS", "5000")
-    with fine_timer_slack():
+    with fine_timer_slack(cuda=False):
         assert current_slack_ns() == 5000
     assert current_slack_ns() == before
+
+
+def test_timer_slack_left_alone_by_a_cpu_refit(monkeypatch) -> None:
+    monkeypatch.delenv("REFIT_TIMER_SLACK_NS", raising=False)
+    group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
+                       num_trainers=1, device="cpu", timeout_s=30)
+    try:
+        source = SlackSource()
+        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), RefitConfig()))
+        sender.refit(source, 1)
+        assert source.seen == [current_slack_ns()] * 8 and source.seen[0] > 1000
+    finally:
+        group.destroy()

@@ -96,10 +96,10 @@ class RefitReceiver(Endpoint):
         status exchange, so its failure reaches every rank too; what it returns (a hash of the
         bytes the worker loaded) goes to every rank in the status record. `verify`: the trainers
         resend the version this worker holds; it takes whole frames and fails the refit if
-        a byte differs from its base. The thread's timer slack is cut meanwhile
+        a byte differs from its base. On CUDA the thread's timer slack is cut meanwhile
         (`common.timer_slack`): the waits' sleeps end on time.
         """
-        with fine_timer_slack():
+        with fine_timer_slack(self.group.device.type == "cuda"):
             return self._receive(on_bucket, on_done, version, on_compact, verify)
 
     def _receive(self, on_bucket: BucketCallback, on_done: Callable[[], str | None] | None,

@@ -129,13 +129,13 @@ class RefitSender(Endpoint):
     def refit(self, source: WeightSource, version: int) -> RefitStats:
         """Send one complete set of weights, tagged `version`; returns this rank's stats.
         With deltas on, the shadows take this version only if it landed on every rank.
-        Python's garbage collector is paused meanwhile (`common.gc_pause`), and the thread's
-        timer slack cut so that the waits' sleeps end on time (`common.timer_slack`)."""
+        Python's garbage collector is paused meanwhile (`common.gc_pause`), and on CUDA the
+        thread's timer slack cut so that the waits' sleeps end on time (`common.timer_slack`)."""
         if self.closed:
             raise RefitError(f"{self.group.label}: refit v{version} on a closed sender (set "
                              "up a new one with RefitSender.setup)")
         try:
-            with gc_paused(), fine_timer_slack():
+            with gc_paused(), fine_timer_slack(self.group.device.type == "cuda"):
                 stats = self._refit(source, version)
         except BaseException:
             if self.shadows is not None:
