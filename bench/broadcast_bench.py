@@ -141,10 +141,12 @@ def bench_shape(group: RefitGroup, name: str, shapes: Shapes,
 
 
 def time_refits(group: RefitGroup, specs: list[TensorSpec], source: WeightSource | None,
-                buffers: int, args: argparse.Namespace,
-                barrier: Callable[[], None]) -> tuple[list[float], dict[str, Any]]:
+                buffers: int, args: argparse.Namespace, barrier: Callable[[], None],
+                keep: list | None = None) -> tuple[list[float], dict[str, Any]]:
     """Set up this rank's end (a sender of `source` on a training rank) of a plan of `specs`
-    with `buffers` buffers, time its refits; (times, the last refit's stats)."""
+    with `buffers` buffers, time its refits; (times, the last refit's stats). A sender is
+    closed after, unless it sent frames by graph replay and `keep` is given: then it goes
+    there, its graphs alive (a frame graph destroyed slows every one captured later)."""
     config = RefitConfig.from_env(bucket_bytes=args.bucket_bytes, num_buffers=buffers,
                                   timeout_s=args.timeout)  # REFIT_CHECKSUM=0 measures its cost
     plan = RefitPlan.build(specs, config)
@@ -158,7 +160,10 @@ def time_refits(group: RefitGroup, specs: list[TensorSpec], source: WeightSource
              **({} if graphs is None else {"graph_frames": graphs.captured,
                                            "graph_failure": graphs.failure})}
     if isinstance(end, RefitSender):
-        end.close()  # its graphs go now: the next case's launches meet none of them
+        if keep is not None and graphs is not None:
+            keep.append(end)
+        else:
+            end.close()  # its graphs go now: the next case's launches meet none of them
     return times, stats
 
 

@@ -76,9 +76,10 @@ def fresh_device(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def sweep_list(group: RefitGroup, name: str, shapes: Shapes,
-               args: argparse.Namespace) -> dict[str, Any]:
-    """Every (checksum, bucket size, buffer count) of one list on this rank."""
+def sweep_list(group: RefitGroup, name: str, shapes: Shapes, args: argparse.Namespace,
+               kept: list | None) -> dict[str, Any]:
+    """Every (checksum, bucket size, buffer count) of one list on this rank (the senders
+    that sent by graph replay into `kept`, if given)."""
     specs = make_specs(shapes, group.num_trainers)
     tensors = make_tensors(specs, group.device)
     mine = {s.name: t for s, t in zip(specs, tensors, strict=True)
@@ -97,7 +98,7 @@ def sweep_list(group: RefitGroup, name: str, shapes: Shapes,
             for nb in args.buffer_counts:
                 case = argparse.Namespace(**{**vars(args), "bucket_bytes": mib << 20})
                 source = DictWeightSource(mine) if group.is_trainer else None
-                times, stats = time_refits(group, specs, source, nb, case, barrier)
+                times, stats = time_refits(group, specs, source, nb, case, barrier, kept)
                 fresh_device(group.device)
                 out["cases"].append({"checksum": checksum, "graph_send": graph,
                                      "bucket_mib": mib, "buffers": nb, "times_s": times,
@@ -109,11 +110,14 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Any
     device = rank_device(rank, args)
     group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
                        num_trainers=max(1, world - 1), timeout_s=args.timeout, device=device)
+    kept: list | None = [] if args.keep_graph_senders else None
     try:
         mine = {}
         for name, shapes in sweep_lists(args).items():
-            mine[name] = sweep_list(group, name, shapes, args)
+            mine[name] = sweep_list(group, name, shapes, args, kept)
             sync(device)
+        for sender in kept or []:
+            sender.close()
         gathered = group.all_gather_bytes(json.dumps(mine).encode(), 8 << 20, "gather results")
         return _report([json.loads(g) for g in gathered], group, args) if rank == 0 else None
     finally:
@@ -142,7 +146,7 @@ def _report(ranks: list[dict[str, Any]], group: RefitGroup,
     report["hardware"] = _hardware(group, args)
     report["settings"] = {"bucket_mibs": args.bucket_mibs, "buffers": args.buffer_counts,
                           "checksums": args.checksums, "graph_sends": args.graph_sends,
-                          "warmup": args.warmup,
+                          "warmup": args.warmup, "keep_graph_senders": args.keep_graph_senders,
                           "reps": args.reps, "scale": args.scale,
                           "timing": "each rank times itself from a barrier; per rep the "
                                     "slowest rank; median; over_copy: over one device copy "
@@ -179,6 +183,9 @@ def main() -> None:
     ap.add_argument("--graph-send", default=None, choices=["off", "on", "both"],
                     help="frames by CUDA graph replay (RefitConfig.graph_send); default: both "
                          "on CUDA, off on CPU")
+    ap.add_argument("--keep-graph-senders", action="store_true",
+                    help="keep each graph-replay case's sender open to the end (its graphs "
+                         "alive: a destroyed frame graph slows the later cases' launches)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=None, help="timed refits per case (3 / 5)")
     ap.add_argument("--scale", type=float, default=None, help="the model list's scale")

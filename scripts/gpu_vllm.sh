@@ -47,7 +47,8 @@ if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by t
   export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=1
   logs=$(mktemp -d)
   python3 bench/broadcast_bench.py --out "$out/gpu_${gpu}x1_sweep_cal.json" > "$logs/cal.log" 2>&1
-  python3 bench/sender_sweep.py --graph-send "${GRAPH_SEND:-both}" ${SWEEP_ARGS:-} \
+  python3 bench/sender_sweep.py --graph-send "${GRAPH_SEND:-both}" --keep-graph-senders \
+    ${SWEEP_ARGS:-} \
     --out "$out/sender_sweep_${gpu}.json" > "$logs/sweep.log" 2>&1
   rc=$?
   python3 bench/sender_host_bench.py --device cuda --profile 30 --out "$out/sender_host_${gpu}.json" \
