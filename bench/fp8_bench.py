@@ -54,9 +54,12 @@ def lists(args: argparse.Namespace) -> dict[str, Shapes]:
 
 def refit_seconds(group: RefitGroup, source, config: RefitConfig,
                   args: argparse.Namespace) -> tuple[float, RefitPlan]:
-    """Median seconds of a refit of `source` (a world-size-1 group) and its plan."""
+    """Median seconds of a refit of `source` (a world-size-1 group) and its plan. The sender
+    stays open in `args.kept` (closed at the end): a frame graph destroyed, as a collected
+    sender's are, slows every one captured after it."""
     plan = RefitPlan.build(source.plan_specs(), config)
     sender = RefitSender.setup(group, plan)
+    args.kept.append(sender)
     version = iter(range(1, 1 << 30))
     times = timed(lambda: sender.refit(source, next(version)), args, group.device)
     if args.profile and isinstance(source, Fp8Source):
@@ -120,12 +123,15 @@ def main() -> int:
     torch.set_num_threads(1 if args.kind == "cpu" else torch.get_num_threads())
     group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
                        num_trainers=1, timeout_s=600, device=device)
+    args.kept = []
     try:
         report: dict[str, Any] = {name: measure_list(group, name, shapes, args)
                                   for name, shapes in lists(args).items()}
         args.device = device.type
         report["hardware"] = _hardware(group, args)
     finally:
+        for sender in args.kept:
+            sender.close()
         group.destroy()
     for name, r in ((n, v) for n, v in report.items() if n != "hardware"):
         print(f"{name:14s} fp8 refit {r['fp8_refit_s'] * 1e3:9.2f} ms ({r['fp8_over_copy']:.2f}x "
