@@ -43,7 +43,11 @@ def current_slack_ns() -> int | None:
 def fine_timer_slack(cuda: bool) -> Iterator[None]:
     """This thread's timer slack inside: `REFIT_TIMER_SLACK_NS` if set, else 1 us for a
     `cuda` refit (left alone for others); as it was after."""
-    wanted = int(os.environ.get("REFIT_TIMER_SLACK_NS", "1000" if cuda else "0"))
+    raw = os.environ.get("REFIT_TIMER_SLACK_NS", "1000" if cuda else "0")
+    if not raw.strip().isdigit():
+        raise ValueError(f"REFIT_TIMER_SLACK_NS={raw!r}: a whole number of nanoseconds "
+                         "(0: leave the timer slack alone)")
+    wanted = int(raw)
     before = current_slack_ns() if wanted > 0 else None
     if before is None or before == wanted:
         yield

@@ -96,6 +96,10 @@ def test_timer_slack_by_device_and_environment(monkeypatch) -> None:
     with fine_timer_slack(cuda=False):
         assert current_slack_ns() == 5000
     assert current_slack_ns() == before
+    monkeypatch.setenv("REFIT_TIMER_SLACK_NS", "1us")
+    with pytest.raises(ValueError, match="REFIT_TIMER_SLACK_NS='1us': a whole number"):
+        with fine_timer_slack(cuda=True):
+            pass
 
 
 def test_timer_slack_left_alone_by_a_cpu_refit(monkeypatch) -> None:
