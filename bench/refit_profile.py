@@ -59,11 +59,16 @@ def kernels(prof: Any, refits: int) -> dict[str, list]:
             for name, (n, ms) in sorted(rows.items(), key=lambda kv: -kv[1][1])}
 
 
+def device_spans(prof: Any) -> list[tuple[float, float, str]]:
+    """Every device event's (start us, end us, name), in start order."""
+    return sorted((e.time_range.start, e.time_range.end, e.name[:50]) for e in prof.events()
+                  if e.device_type.name == "CUDA")
+
+
 def idle_gaps(prof: Any, refits: int, least_us: float = 20.0) -> dict[str, Any]:
     """The device's idle gaps of over `least_us` between kernels (a host-bound stretch, or a
     frame held back): count and ms a refit, the five largest (us, the kernel before)."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name[:40]) for e in prof.events()
-                   if e.device_type.name == "CUDA")
+    spans = device_spans(prof)
     gaps, end, before = [], None, ""
     for start, stop, name in spans:
         if end is not None and start - end > least_us:
@@ -77,8 +82,7 @@ def idle_gaps(prof: Any, refits: int, least_us: float = 20.0) -> dict[str, Any]:
 def print_timeline(prof: Any, count: int) -> None:
     """The profiled refits' first `count` device events: start (us after the first), idle
     before it, duration, name (to stderr)."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name[:50]) for e in prof.events()
-                   if e.device_type.name == "CUDA")[:count]
+    spans = device_spans(prof)[:count]
     end = spans[0][0] if spans else 0
     for start, stop, name in spans:
         print(f"  {start - spans[0][0]:9.1f} us  idle {max(start - end, 0):7.1f}  "
