@@ -16,22 +16,7 @@ from common.plan import RefitPlan
 from common.source import DictWeightSource
 from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
-
-
-class WatchingSource(DictWeightSource):
-    """Records whether collection was on at each tensor; optionally fails at the third."""
-
-    def __init__(self, tensors: dict, fail: bool = False) -> None:
-        super().__init__(tensors)
-        self.seen: list[bool] = []
-        self.fail = fail
-
-    def iter_tensors(self, plan):
-        for name, tensor in super().iter_tensors(plan):
-            self.seen.append(gc.isenabled())
-            if self.fail and len(self.seen) == 3:
-                raise RuntimeError("source broke")
-            yield name, tensor
+from tests.probe_source import ProbingSource
 
 
 @pytest.fixture()
@@ -50,11 +35,11 @@ def test_gc_paused_during_a_refit_and_restored(sender_for, enabled) -> None:
     tensors, sender = sender_for
     (gc.enable if enabled else gc.disable)()
     try:
-        source = WatchingSource(tensors)
+        source = ProbingSource(tensors, gc.isenabled)
         sender.refit(source, 1)
         assert len(source.seen) == 8 and not any(source.seen)
         assert gc.isenabled() == enabled
-        broken = WatchingSource(tensors, fail=True)
+        broken = ProbingSource(tensors, gc.isenabled, fail=True)
         with pytest.raises(RefitError, match="source broke"):
             sender.refit(broken, 2)
         assert broken.seen == [False] * 3 and gc.isenabled() == enabled
@@ -66,6 +51,6 @@ def test_gc_left_alone_when_switched_off(sender_for, monkeypatch) -> None:
     tensors, sender = sender_for
     monkeypatch.setenv("REFIT_GC_PAUSE", "0")
     gc.enable()
-    source = WatchingSource(tensors)
+    source = ProbingSource(tensors, gc.isenabled)
     sender.refit(source, 1)
     assert source.seen == [True] * 8

@@ -15,30 +15,14 @@ import torch
 from common.config import RefitConfig
 from common.errors import RefitError
 from common.plan import RefitPlan
-from common.source import DictWeightSource
 from common.timer_slack import current_slack_ns, fine_timer_slack
 from common.transfer.receiver import RefitReceiver
 from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
+from tests.probe_source import ProbingSource
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux prctl")
 TENSORS = {f"w{i}": torch.full((256,), float(i)) for i in range(8)}
-
-
-class SlackSource(DictWeightSource):
-    """Records the thread's timer slack at each tensor; optionally fails at the third."""
-
-    def __init__(self, fail: bool = False) -> None:
-        super().__init__(TENSORS)
-        self.seen: list[int | None] = []
-        self.fail = fail
-
-    def iter_tensors(self, plan):
-        for name, tensor in super().iter_tensors(plan):
-            self.seen.append(current_slack_ns())
-            if self.fail and len(self.seen) == 3:
-                raise RuntimeError("source broke")
-            yield name, tensor
 
 
 def receive(port: int, refits: int, seen: list) -> None:
@@ -65,10 +49,11 @@ def test_timer_slack_cut_for_a_refit_and_given_back(monkeypatch) -> None:
     group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=2, num_trainers=1,
                        device="cpu", timeout_s=30)
     try:
-        plan = RefitPlan.build(SlackSource().plan_specs(),
+        plan = RefitPlan.build(ProbingSource(TENSORS, current_slack_ns).plan_specs(),
                                RefitConfig(bucket_bytes=2048, timeout_s=30))
         sender = RefitSender.setup(group, plan)
-        source, broken = SlackSource(), SlackSource(fail=True)
+        source = ProbingSource(TENSORS, current_slack_ns)
+        broken = ProbingSource(TENSORS, current_slack_ns, fail=True)
         sender.refit(source, 1)
         assert source.seen == [1000] * 8 and current_slack_ns() == before
         with pytest.raises(RefitError, match="source broke"):
@@ -107,7 +92,7 @@ def test_timer_slack_left_alone_by_a_cpu_refit(monkeypatch) -> None:
     group = RefitGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1,
                        num_trainers=1, device="cpu", timeout_s=30)
     try:
-        source = SlackSource()
+        source = ProbingSource(TENSORS, current_slack_ns)
         sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), RefitConfig()))
         sender.refit(source, 1)
         assert source.seen == [current_slack_ns()] * 8 and source.seen[0] > 1000
