@@ -39,20 +39,11 @@ SWEEPS = {"sender_sweep_cpu": "sweep_cal_cpu", "sender_sweep_h200_nospin": "gpu_
           "sender_sweep_h100_run4": "gpu_h100x1_sweep_cal_run4",
           "sender_sweep_h100_run7": "gpu_h100x1_sweep_cal_run7"}
 # the noise the issue allows to be named: (file, list, method [@ bucket size]) -> why
-EXCEPTIONS = {("gpu_h200x1_models", "dense", "coalesced_1buf"):
-              "an earlier sender (it waited for its buffer before taking a bucket): the "
-              "1-buffer hand-back from that lend's synthetic lists (the pack's host calls, "
-              "116 us a bucket) overstates this list's (+25.8%)",
-              ("multi_gpu_nvidia-h200-x2_run1", "moe", "coalesced_3buf"):
+EXCEPTIONS = {("multi_gpu_nvidia-h200-x2_run1", "moe", "coalesced_3buf"):
               "the same run's 3-buffer refit took 1.35x its 2-buffer one (46.6 vs 34.5 ms) "
               "with the same host-bound sender; run2 had 3 buffers 0.89x 2 buffers: the old "
               "sender's host cost per call varies by up to 2x within and between lends "
-              "(NOTES.md), which no buffer count explains",
-              ("sender_sweep_h100_run4", "qwen3_30b_a3b", "coalesced_1buf @ 64 MiB"):
-              "the 1-buffer hand-back from that lend's synthetic lists at 256 MiB (the "
-              "pack's host calls, 71 us a bucket) overstates the model list's ~460 buckets "
-              "of 64 MiB (+30.3%; run3's same case +40.1%); its 2- and 3-buffer cases there "
-              "are within 3%"}
+              "(NOTES.md), which no buffer count explains"}
 NOT_HELD_OUT = {"sender_sweep_h200_run2": "one H200 whose host was noisy during the sweep: eager "
                 "cases out of order in buffer count (model list 3 buffers 1.58x 2 at 96 MiB, "
                 "1.15x at 256; MoE 1.62x at 256 MiB) and the MoE list 1.5-1.7x slower than "
@@ -105,6 +96,7 @@ class Machine:
     trainers: int
     bucket_bytes: int
     handback_s: float = 0.0
+    handback_tensor_s: float = 0.0
 
 
 def _lists(report: dict) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
@@ -138,7 +130,7 @@ def predict(m: Machine, shapes, method: str) -> float:
     b = buckets_of(shapes, m.trainers, m.bucket_bytes)
     if method == "raw":
         return sum(x.nbytes for x in b) / m.wire_Bps
-    return simulate(b, costs(m, b), BUF[method], m.handback_s).seconds
+    return simulate(b, costs(m, b), BUF[method], m.handback_s, m.handback_tensor_s).seconds
 
 
 def machine(run: str) -> Machine:
@@ -165,14 +157,15 @@ def _host_work(shape: dict, trainers: int, gpu: bool) -> tuple[float, float, flo
 
 
 def _with_handback(m: Machine, report: dict) -> Machine:
-    """The 1-buffer hand-back per bucket: on a GPU the pack's host calls (made after the
-    wait), as the synthetic lists' 2-buffer refits measured them; on a CPU (the host packs)
-    fitted to their 1-buffer refits."""
+    """The 1-buffer hand-back: on a GPU the pack's host calls (made after the wait), per
+    bucket and per tensor as the synthetic lists' 2-buffer refits measured them; on a CPU (the
+    host packs) a constant a bucket fitted to their 1-buffer refits."""
     if m.overlap:
-        packs = [s["refit_stats"]["rank0_trainer"]["coalesced_2buf"]
-                 for s in report["shapes"].values()]
-        return Machine(**{**m.__dict__, "handback_s": statistics.mean(
-            p["pack_s"] / p["num_buckets"] for p in packs)})
+        packs = [(s["tensors"], p["num_buckets"], p["pack_s"]) for s in report["shapes"].values()
+                 for p in [s["refit_stats"]["rank0_trainer"]["coalesced_2buf"]]]
+        per_tensor, per_bucket = fit_host(packs)
+        return Machine(**{**m.__dict__, "handback_s": per_bucket,
+                          "handback_tensor_s": per_tensor})
     lists, extra = _lists(report), []
     for name, s in report["shapes"].items():
         n = len(buckets_of(lists[name], m.trainers, m.bucket_bytes))

@@ -6,7 +6,8 @@ per bucket, `fit_host`) without waiting for a buffer, then waits for the buffer 
 `buffers` back has left the wire) and packs into it: on a GPU the pack runs on the device while
 the host takes the next bucket (`StageCosts.overlap`), on a CPU the host packs before going on;
 a host that waits for its one buffer starts the next pack a hand-back after the buffer is free
-(`handback_s`: on a GPU the pack's own host calls a bucket, as measured; on a CPU fitted). The
+(`handback_s` a bucket plus `handback_tensor_s` a tensor of it: on a GPU the pack's own host
+calls, as measured; on a CPU fitted). The
 wire carries the buckets one collective at a time over the group; a receiver holds `buffers`
 buckets, so the wire waits for the apply of the bucket `buffers` back.
 """
@@ -101,7 +102,7 @@ def _least_squares(a: list[list[float]], y: list[float]) -> tuple[float, float]:
 
 
 def simulate(buckets: list[Bucket], costs: StageCosts, buffers: int,
-             handback_s: float = 0.0) -> Timeline:
+             handback_s: float = 0.0, handback_tensor_s: float = 0.0) -> Timeline:
     """The refit's end: when the last bucket is applied (see the module's doc). `totals`
     splits that time along the critical path: the wire busy, the wire waiting on a sender,
     the wire waiting on a receiver's buffer plus the last apply."""
@@ -113,8 +114,8 @@ def simulate(buckets: list[Bucket], costs: StageCosts, buffers: int,
     for i, b in enumerate(buckets):
         mine = sent.setdefault(b.sender, [])
         # a host that waits for its one buffer wakes the hand-back after the buffer is free
-        free = (mine[-buffers] + (handback_s if buffers == 1 else 0.0)
-                if len(mine) >= buffers else 0.0)
+        handback = handback_s + b.tensors * handback_tensor_s if buffers == 1 else 0.0
+        free = mine[-buffers] + handback if len(mine) >= buffers else 0.0
         taken = host_free.get(b.sender, 0.0) + costs.host[i]
         launch = max(taken, free)
         packed[b.sender] = max(launch, packed.get(b.sender, 0.0)) + costs.device[i]

@@ -44,6 +44,12 @@ def test_cost_model_pipeline_by_hand() -> None:
     # hand-back after it (the last apply is done by then): 1 + 3, then 2 x (0.5 + 3), then
     # the last apply; the first bucket waits for nothing, so it pays no hand-back
     assert simulate(b, c, 1, handback_s=0.5).seconds == pytest.approx(1 + 3 + 2 * 3.5 + 0.5)
+    # the hand-back's share per tensor (the pack's host calls a tensor): buckets of 4 tensors
+    four = [Bucket(0, 4, 1)] * 3
+    assert simulate(four, c, 1, handback_s=0.5, handback_tensor_s=0.25).seconds == \
+        pytest.approx(1 + 3 + 2 * (3 + 0.5 + 4 * 0.25) + 0.5)
+    assert simulate(four, c, 2, handback_s=0.5, handback_tensor_s=0.25).seconds == \
+        pytest.approx(simulate(four, c, 2).seconds)  # 2 buffers: no hand-back waited for
     # a pack on the host (CPU) holds the host: 2 buffers, take 1 + pack 2 per bucket
     three = [Bucket(0, 1, 1)] * 3
     cpu = StageCosts([1.0] * 3, [2.0] * 3, [0.5] * 3, [0.0] * 3, overlap=False)
@@ -97,7 +103,7 @@ def test_cost_model_constants_are_in_the_results() -> None:
     for run in {*CALIBRATION, *HELD_OUT}:
         assert (RESULTS / f"{run}.json").exists(), run
         m = machine(run)
-        assert m.host_s > 0 and m.pack_Bps > 0 and m.handback_s >= 0
+        assert m.host_s > 0 and m.pack_Bps > 0 and m.handback_s >= 0 and m.handback_tensor_s >= 0
     for sweep, calibration in SWEEPS.items():
         assert load(sweep)["lists"] and calibration in CALIBRATION, sweep
     for f in figures().values():
