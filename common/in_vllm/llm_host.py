@@ -210,7 +210,12 @@ def serve(conn: Any, config: EngineConfig) -> None:
             return
         if method == "stop":
             host.shutdown()
-            return
+            # vLLM is down: leave now rather than in the interpreter's exit, which joins
+            # threads and runs finalizers that vLLM or a gloo group left behind (seen waiting
+            # out the caller's 30 s before its kill)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         try:
             conn.send(("ok", getattr(host, method)(**kwargs)))
         except Exception as e:  # noqa: BLE001 - reported to the driver

@@ -67,6 +67,7 @@ def engine_child(ckpt: str, port: int, fault, queue, read) -> None:
     queue.put({"report": llm.collective_rpc(_apply_report)[0],
                "params": llm.collective_rpc(_read_params, args=(None,))[0]})
     read.wait(60)  # the tensors travel by file descriptor: stay until they are taken
+    os._exit(0)  # engine core in this process: nothing to stop; the interpreter's exit can wait
 
 
 def learning_refit(tmp_path, fault=None) -> tuple[dict, dict]:

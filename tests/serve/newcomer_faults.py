@@ -4,7 +4,8 @@
 
 wrong_rank: only rank 0 calls `refit.connect` (rank 1 sleeps). dead_engine: URL serves nothing.
 raise_mid_training: both connect and refit VERSION, then the training loop raises. `refit.connect`'s
-timeout is 10 s: each mode must end the job within seconds of it, every rank saying why.
+timeout is 10 s (3 s for wrong_rank, which waits it out): each mode must end the job within
+seconds of it, every rank saying why.
 """
 
 import sys
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import refit
 
 TIMEOUT_S = 10.0
+WRONG_RANK_TIMEOUT_S = 3.0
 
 
 def main() -> None:
@@ -28,7 +30,8 @@ def main() -> None:
     if mode == "wrong_rank" and dist.get_rank() == 1:
         time.sleep(600)  # never calls connect: rank 0 must name it, torchrun stops this one
     try:
-        with refit.connect(source, [url], timeout_s=TIMEOUT_S) as session:
+        timeout_s = WRONG_RANK_TIMEOUT_S if mode == "wrong_rank" else TIMEOUT_S
+        with refit.connect(source, [url], timeout_s=timeout_s) as session:
             session.refit(int(version))
             if mode == "raise_mid_training":
                 raise RuntimeError(f"rank {dist.get_rank()}: the training step failed")

@@ -138,7 +138,7 @@ def _faults(mode: str, url: str, checkpoint: Path, version: int = 1) -> tuple[in
 
 
 @pytest.mark.parametrize("mode, says", [
-    ("wrong_rank", "training ranks [1] did not call refit.connect within 10s"),
+    ("wrong_rank", "training ranks [1] did not call refit.connect within 3s"),
     ("dead_engine", "training rank 0 could not set up the engines"),
 ])
 def test_newcomer_setup_mistakes_fail_fast_and_say_why(checkpoints, mode, says) -> None:
