@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from common.config import RefitConfig, RefitConfigError
@@ -69,3 +71,22 @@ def test_graph_send_on_a_gloo_group_sends_eagerly() -> None:
         assert sender.refit(source, 1).num_buckets == len(sender.plan.buckets)
     finally:
         group.destroy()
+
+
+def test_a_cpu_server_of_several_workers_gives_each_its_own_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where nothing is set (the suite sets "nobind"), a TP x DP server's workers get
+    `cpu_bind_mask`'s cores ([DP, PP, TP] order, wrapping around); a value set is kept."""
+    from common.clients.serve import ServeConfig
+    from common.engine.config import cpu_bind_mask
+
+    cores = sorted(os.sched_getaffinity(0))
+    assert cpu_bind_mask(2, 1) == f"{cores[0]}|{cores[1 % len(cores)]}"
+    assert cpu_bind_mask(1, 2) == f"{cores[0]},{cores[1 % len(cores)]}"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in ServeConfig(model="m").env()
+    four = ServeConfig(model="m", tensor_parallel_size=2, data_parallel_size=2).env()
+    assert four["VLLM_CPU_OMP_THREADS_BIND"] == cpu_bind_mask(4, 1)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert ServeConfig(model="m", tensor_parallel_size=2).env()["VLLM_CPU_OMP_THREADS_BIND"] \
+        == "nobind"
