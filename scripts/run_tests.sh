@@ -8,11 +8,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 DURATIONS=${DURATIONS:-10}
-# tests/serve/test_survives.py (two servers of its own) runs with everything else: balance
-REMOTE=(tests/serve/test_fsdp_recipe.py
+# tests/mcore_vllm (torchrun recipes into in-process engines) runs with everything else: balance
+REMOTE=(tests/serve/test_fsdp_recipe.py tests/serve/test_survives.py
         tests/serve/test_serve_failures.py tests/serve/test_tp_replicas.py
-        tests/serve/test_verdict.py tests/ray tests/mcore_vllm
-        tests/dtensor_vllm/test_ray_engine.py)
+        tests/serve/test_verdict.py tests/ray tests/dtensor_vllm/test_ray_engine.py)
 # Alone once both groups are done: a pause must meet a request in flight on the server, and
 # with both groups loading the 2 cores its stream and metrics reached the client only after
 # the request had ended (3 tries with doubling lengths, seen in 2 of 3 runs).

@@ -1,7 +1,11 @@
 """One `vllm serve` server on a tiny Qwen3, refit over HTTP from this test process (rank 0).
 
-On a 2-core machine (that others share) at most one server of these tests runs at a time: the
-fresh reference server on the changed checkpoint runs and stops before the shared one starts.
+On a 2-core machine (that others share) at most one engine of these tests runs at a time: the
+fresh reference engine on the changed checkpoint runs and stops before the shared server
+starts. A fresh reference is an in-process `LLM` with the server's engine settings
+(`fresh_outputs`): its greedy tokens and logprobs equal a fresh `vllm serve` server's, bit for
+bit, at a fraction of a server's start (one process, vLLM preloaded, against three importing
+it).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from common.wire.group import RefitGroup, free_port
 MAX_MODEL_LEN = 8192  # long requests (thousands of tokens) stream for seconds
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 20, 30, 40]]
 SHORT = 8  # tokens of each compared generation
+MAX_NUM_SEQS = 8
 LONG_PROMPT = [3, 1, 4, 1, 5]
 LONG_S = 5.0  # how long a "long" request should stream (at the speed measured at start)
 TIMEOUT_S = 60.0
@@ -55,8 +60,24 @@ def save_qwen3(state: dict[str, torch.Tensor] | None, path: Path) -> None:
 
 def serve_config(model: Path, name: str) -> ServeConfig:
     return ServeConfig(model=str(model), max_model_len=MAX_MODEL_LEN, start_timeout_s=240,
-                       extra_args=("--max-num-seqs", "8"),
+                       extra_args=("--max-num-seqs", str(MAX_NUM_SEQS)),
                        log_path=str(model.parent / f"{name}.log"))
+
+
+def fresh_outputs(config: ServeConfig) -> list[Completion]:
+    """Greedy outputs (PROMPTS, SHORT) of a fresh engine on `config`'s model and settings: an
+    in-process `LLM` (`LocalEngine`), started, asked, stopped."""
+    from common.clients.local_engine import LocalEngine
+    from common.engine.config import EngineConfig
+
+    assert config.tensor_parallel_size == config.data_parallel_size == 1, config
+    engine = LocalEngine(EngineConfig(model=config.model, llm_kwargs={
+        "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
+        "max_model_len": config.max_model_len, "max_num_seqs": MAX_NUM_SEQS}))
+    try:
+        return engine.generate(PROMPTS, SHORT)
+    finally:
+        engine.close()
 
 
 @dataclass
@@ -81,19 +102,10 @@ def checkpoints(tmp_path_factory) -> Checkpoints:
 
 @pytest.fixture(scope="session")
 def reference(checkpoints) -> list[Completion]:
-    """Greedy outputs of a fresh server started on the changed checkpoint (then stopped), once
-    for every module that compares with them."""
-    server = VllmServer(serve_config(checkpoints.changed, "reference"))
-    try:
-        with timed("reference server: start"):
-            server.wait_ready()
-        with timed("reference server: generate"):
-            outs = server.client(timeout_s=TIMEOUT_S).generate(PROMPTS, SHORT)
-    finally:
-        with timed("reference server: stop"):
-            server.stop()
-    assert server.group_pids() == [], "processes of the reference server survived stop()"
-    return outs
+    """Greedy outputs of a fresh engine on the changed checkpoint (`fresh_outputs`), once for
+    every module that compares with them."""
+    with timed("reference engine: start, generate, stop"):
+        return fresh_outputs(serve_config(checkpoints.changed, "reference"))
 
 
 @dataclass

@@ -2,11 +2,11 @@
 
 The README's quick starts, extracted from the Markdown (not copied) and run as written under
 torchrun: FSDP2 (2 gloo ranks) and Megatron TP2 x PP2 (4 ranks); after the last step the
-server's greedy tokens and logprobs equal a fresh server's started on the trained weights
-(which the test's own epilogue, appended to the block, writes). And what a newcomer gets
-wrong (`newcomer_faults.py`): only rank 0 calls `refit.connect`, an engine that is not there,
-a training loop that raises after a refit: each ends the job within seconds of `connect`'s
-10 s timeout, saying why; the server keeps serving the last refit that landed.
+server's greedy tokens and logprobs equal a fresh engine's started on the trained weights
+(which the test's own epilogue, appended to the block, writes; `fresh_outputs`). And what a
+newcomer gets wrong (`newcomer_faults.py`): only rank 0 calls `refit.connect`, an engine that
+is not there, a training loop that raises after a refit: each ends the job within seconds of
+`connect`'s timeout, saying why; the server keeps serving the last refit that landed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from common.clients.serve import ServeConfig, VllmServer
 from common.wire.group import free_port
 from tests.docs_blocks import block as docs_block
 from tests.recipe_runner import ROOT, run_recipe
-from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config
+from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, fresh_outputs, serve_config
 from tests.serve.test_survives import pairs
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ FAULTS = Path(__file__).with_name("newcomer_faults.py")
 MEGATRON_LEN = 64
 TEARDOWN = "dist.destroy_process_group()\n"  # how each quick start ends
 EPILOGUE = '''
-# -- the test's own epilogue: the trained weights as a checkpoint, for a fresh server --
+# -- the test's own epilogue: the trained weights as a checkpoint, for a fresh engine --
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -72,8 +72,7 @@ def test_newcomer_fsdp2_quick_start_runs_as_written(server, checkpoints, tmp_pat
     _run_block(_with_epilogue(block, EPILOGUE), tmp_path, "quickstart", server.url,
                str(checkpoints.start), str(trained), nproc=2)
     got = _served(server.url)
-    with VllmServer(serve_config(trained, "newcomer-fresh")) as fresh:
-        want = pairs(fresh.client(timeout_s=TIMEOUT_S).generate(PROMPTS, SHORT))
+    want = pairs(fresh_outputs(serve_config(trained, "newcomer-fresh")))
     assert got == want, "the quick start's server differs from a fresh one on its weights"
     log = Path(server.config.log_path).read_text()  # the backend's own lines, in vLLM's log
     assert "refit v1 landed in" in log and "refit v2 landed in" in log, log[-3000:]
@@ -103,7 +102,7 @@ def _served(url: str) -> list:
 
 def test_newcomer_megatron_quick_start_runs_as_written(tmp_path) -> None:
     """A server on random weights of the block's model (every one is refit), the whole block,
-    then a fresh server on what it trained."""
+    then a fresh engine on what it trained."""
     from transformers import AutoModelForCausalLM
 
     from recipes.mcore_configs import hf_config
@@ -117,8 +116,7 @@ def test_newcomer_megatron_quick_start_runs_as_written(tmp_path) -> None:
         _run_block(_with_epilogue(block, MEGATRON_WEIGHTS), tmp_path, "quickstart", server.url,
                    str(trained), nproc=4)
         got = _served(server.url)
-    with VllmServer(_short(trained, "newcomer-megatron-fresh")) as fresh:
-        want = pairs(fresh.client(timeout_s=TIMEOUT_S).generate(PROMPTS, SHORT))
+    want = pairs(fresh_outputs(_short(trained, "newcomer-megatron-fresh")))
     assert got == want, "the quick start's server differs from a fresh one on its weights"
 
 
