@@ -64,6 +64,11 @@ NOT_HELD_OUT = {"sender_sweep_h200_run2": "one H200 whose host was noisy during 
                 "host a bucket (run7's: 70), the sweep minutes later ran the model list's "
                 "64 MiB 2-buffer case in 36.4 ms where those constants predict 76.4; held out "
                 "against gpu_h100x1_sweep_cal_run9 it gives 12 of 22 within 25%",
+                "sender_sweep_h100_run10": "one H100 whose host was the slowest on record "
+                "(sender_host_h100 132 vs run7's 59 us a bucket) and noisy: eager cases out of "
+                "order (MoE 128 MiB 22.7 ms with 1 buffer against 15.0 at 256 MiB, the model "
+                "list's 3 buffers 93.4 ms at 64 MiB against 66.7 with 2); held out against "
+                "gpu_h100x1_sweep_cal_run10 it gives 7 of 22 within 25%",
                 "sender_sweep_h100_run6": "frames by graph replay only (GRAPH_SEND=on), which "
                 "the cost model does not model",
                 "sender_sweep_h200": "measured with NCCL waits spinning 200 us, since removed: "
