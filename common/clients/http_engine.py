@@ -94,8 +94,11 @@ class HttpEngine(EngineClient):
         if response.status_code >= 400:
             body = response.text
             cut = f" ... [{len(body) - _BODY_CHARS} more chars]" if len(body) > _BODY_CHARS else ""
+            # a server error is often the engine core's death reaching the API server first
+            died = f" (the engine died: {why})" if response.status_code >= 500 and \
+                (why := self.dead()) else ""
             raise EngineError(f"engine {self.name}: {method} {route} -> HTTP "
-                              f"{response.status_code}: {body[:_BODY_CHARS]}{cut}")
+                              f"{response.status_code}{died}: {body[:_BODY_CHARS]}{cut}")
         return response
 
     def _json(self, method: str, route: str, **kwargs: Any) -> Any:
