@@ -58,7 +58,7 @@ def run_by_name(dotted: str, env: dict[str, str], *args: Any) -> None:
     by_name(dotted)(*args)
 
 
-def _process_context(start_method: str) -> Any:
+def process_context(start_method: str) -> Any:
     """A multiprocessing context for engine processes: "forkserver" forks each engine from one
     server process that imported `FORKSERVER_PRELOAD` (Python keeps one forkserver per process:
     the first caller's preload list holds for all), "spawn" starts a fresh interpreter."""
@@ -141,7 +141,7 @@ class LocalEngine(HostedEngine):
         super().__init__(name or f"local:{os.path.basename(config.model.rstrip('/'))}",
                          config.call_timeout_s if timeout_s is None else timeout_s)
         self.config = config
-        ctx = _process_context(config.start_method)
+        ctx = process_context(config.start_method)
         self._conn, child = ctx.Pipe()
         self._lock = threading.Lock()
         launcher = {k: os.environ.pop(k) for k in list(os.environ) if is_launcher_var(k)}

@@ -11,12 +11,12 @@ the new-version suffix equals a fresh new-weights engine continuing from prompt 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import pytest
 import torch
 
+from common.clients.local_engine import process_context
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
@@ -72,7 +72,7 @@ def test_keep_freezes_a_request_and_finishes_it_under_the_new_weights(tmp_path) 
     new.load_state_dict(new_state)
     new.save_pretrained(tmp_path / "v1")
     port = free_port()
-    ctx = mp.get_context("spawn")
+    ctx = process_context("forkserver")  # the engines' forkserver: vLLM imported there once
     queue = ctx.Queue()
     child = ctx.Process(target=stepped_engine, args=(str(tmp_path / "v0"), port, queue))
     child.start()

@@ -10,11 +10,11 @@ is checked bit for bit and kept.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import pytest
 
+from common.clients.local_engine import process_context
 from common.config import RefitConfig
 from common.plan import RefitPlan
 from common.source import DictWeightSource
@@ -77,7 +77,8 @@ def learning_refit(tmp_path, fault=None) -> tuple[dict, dict]:
 
     ckpt = initial_checkpoint(Case("qwen3", dp=2), tmp_path / "start")
     state = {n: t * 1.5 for n, t in load_file(f"{ckpt}/model.safetensors").items()}
-    port, ctx = free_port(), mp.get_context("spawn")
+    # forked from the engines' forkserver (vLLM imported there once), not a fresh interpreter
+    port, ctx = free_port(), process_context("forkserver")
     queue, read = ctx.Queue(), ctx.Event()
     child = ctx.Process(target=engine_child, args=(ckpt, port, fault, queue, read))
     child.start()
