@@ -7,7 +7,7 @@ params equal a fresh engine's on the expected weights (bit for bit), its logprob
 transformers' (which match Megatron's own forward) on those weights after every step. The MoE
 case runs with deltas and the undo log on (REFIT_DELTA=1): its third refit goes as deltas of
 the training step. Megatron into a `vllm serve` server over HTTP: the Megatron quick start of
-`tests/serve/test_newcomer.py` (the same TP2 x PP2 dense model, checked against a fresh server).
+`tests/serve/test_newcomer.py` (the same TP2 x PP2 dense model, checked against a fresh engine).
 """
 
 from __future__ import annotations
