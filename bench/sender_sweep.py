@@ -6,8 +6,10 @@ for the synthetic 20,000-tensor MoE list and the Qwen3-30B-A3B-shaped list; chec
 on. On CPU (`--quick`) the usual gloo group of 2 trainers + 1 receiver, so the wire is in it.
 The last line is one JSON object; its summary keys: `worst_sender_over_copy_2buf` (checksums
 off, the worst list and bucket size with 2 buffers), `two_over_three_buffers_max` (2 buffers'
-time over 3 buffers', the worst case), the same with checksums on (`*_checksum`) and with each
-frame sent as one CUDA graph replay (`*_graph`, `RefitConfig.graph_send`; CUDA only).
+time over 3 buffers', the worst case) of the default sender (on CUDA each frame one graph
+replay, `RefitConfig.graph_send`), the same with checksums on (`*_checksum`) and on CUDA with
+eager frames (`*_eager`). Files measured before graph replay became the default name the
+eager figures untagged and the graph ones `*_graph`.
 
     python3 bench/sender_sweep.py --out bench/results/sender_sweep_h200.json      # one H200
     OMP_NUM_THREADS=1 .venv/bin/python bench/sender_sweep.py --quick --out /tmp/sweep.json
@@ -41,6 +43,7 @@ from broadcast_bench import (
 from model_shapes import MODELS, Shapes, qwen3_shapes, scaled
 from provenance import finish
 
+from common.config import RefitConfig
 from common.source import DictWeightSource
 from common.wire.group import RefitGroup
 
@@ -156,10 +159,13 @@ def _report(ranks: list[dict[str, Any]], group: RefitGroup,
 
 def summary(lists: dict[str, Any]) -> dict[str, float]:
     """The issue's figures: the worst 2-buffer case over one copy, the worst 2 vs 3 buffers;
-    eager frames (no tag), then frames sent by graph replay (`_graph`)."""
+    untagged for the default sender (`RefitConfig()`: graph replay on CUDA, whose cases say
+    `graph_send`; eager on CPU), then the other one (`_eager` on CUDA) where it was measured."""
     out: dict[str, float] = {}
-    for checksum, graph in ((c, g) for g in (False, True) for c in (False, True)):
-        tag = "_checksum" * checksum + "_graph" * graph
+    default = RefitConfig().graph_send
+    cuda = any(r.get("graph_send") for v in lists.values() for r in v["cases"])
+    for checksum, graph in ((c, g) for g in (default, not default) for c in (False, True)):
+        tag = "_checksum" * checksum + ("_eager" if cuda and not graph else "")
         over, ratios = [], []
         for v in lists.values():
             by = {(r["bucket_mib"], r["buffers"]): r for r in v["cases"]

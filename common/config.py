@@ -81,12 +81,15 @@ class RefitConfig:
         in plan order, so any order works; what it gains at scale: docs/at-scale.md.
     shadow: where a trainer keeps its shadow: "device" (fastest) or "host" (pinned host memory,
         for memory-tight trainers; a copy to the device per frame). Local to each trainer.
-    graph_send: on CUDA (NCCL), each whole frame this trainer sources goes as a CUDA graph
-        replay: its pack, header, checksum and broadcast captured once per bucket, frames of a
-        dict's tensors in runs of up to `num_buffers` + 1 a launch
+    graph_send: on CUDA (NCCL, the default), each whole frame this trainer sources goes as a
+        CUDA graph replay: its pack, header, checksum and broadcast captured once per bucket,
+        frames of a dict's tensors in runs of up to `num_buffers` + 1 a launch
         (`common.transfer.graph_frames`), so a bucket costs a fraction of one host call
-        instead of several; frames that cannot (compact, delta, direct, an ABORT) go eagerly
-        as before. Local to each trainer; the receivers need nothing.
+        instead of several; frames that cannot (compact, delta, direct, an ABORT) and every
+        frame of a group that cannot capture (gloo) go eagerly. False (`REFIT_GRAPH_SEND=0`):
+        every frame eagerly, its pack on a stream of its own beside the broadcast (what a
+        wire much slower than the pack may prefer: docs/architecture.md). Local to each
+        trainer; the receivers need nothing.
     """
 
     bucket_bytes: int = 256 << 20
@@ -100,7 +103,7 @@ class RefitConfig:
     undo_bytes: int = 0
     shadow: str = "device"
     interleave: bool = False
-    graph_send: bool = False
+    graph_send: bool = True
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> RefitConfigError:

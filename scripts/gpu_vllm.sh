@@ -43,10 +43,15 @@ if [ "${1:-}" = profile ]; then  # issues 37 and 38: one text file in $OUT
   rc=$?; grep -E "wall|^\{" "$out/refit_profile_${gpu}.txt" | cut -c1-400; exit $rc
 fi
 if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by the broadcast bench
-  # Six JSON files and one log in $OUT (a device call brings back 8 files at most).
+  # Seven JSON files and one log in $OUT (a device call brings back 8 files at most).
   export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=1
   logs=$(mktemp -d)
-  python3 bench/broadcast_bench.py --out "$out/gpu_${gpu}x1_sweep_cal.json" > "$logs/cal.log" 2>&1
+  python3 bench/fp8_bench.py --profile 30 --out "$out/fp8_${gpu}.json" > "$logs/fp8.log" 2>&1; fp8=$?  # issue 38
+  # the cost model's calibration: eager frames, and the default (graph replay)
+  REFIT_GRAPH_SEND=0 python3 bench/broadcast_bench.py --out "$out/gpu_${gpu}x1_sweep_cal.json" \
+    > "$logs/cal.log" 2>&1
+  REFIT_GRAPH_SEND=1 python3 bench/broadcast_bench.py --out "$out/gpu_${gpu}x1_sweep_cal_graph.json" \
+    > "$logs/cal_graph.log" 2>&1
   python3 bench/sender_sweep.py --graph-send "${GRAPH_SEND:-both}" --keep-graph-senders \
     ${SWEEP_ARGS:-} \
     --out "$out/sender_sweep_${gpu}.json" > "$logs/sweep.log" 2>&1
@@ -62,7 +67,6 @@ if [ "${1:-}" = sweep ]; then  # issue 37: bench/sender_sweep.py calibrated by t
       --profile 30 --out "$out/sender_host_tensors_${gpu}.json" > "$logs/sender_host_tensors.log" 2>&1
     host=$(( host || $? ))
   fi
-  python3 bench/fp8_bench.py --profile 30 --out "$out/fp8_${gpu}.json" > "$logs/fp8.log" 2>&1; fp8=$?  # issue 38
   cat "$logs"/*.log > "$out/sweep_logs.txt"
   tail -n 2 "$logs"/*.log
   exit $(( rc || host || fp8 ))

@@ -51,8 +51,8 @@ def test_wrong_types_and_unknown_fields() -> None:
 
 
 def test_graph_send_on_a_gloo_group_sends_eagerly() -> None:
-    """`graph_send` asks for CUDA graph replays; a CPU (gloo) group has none to capture, so
-    the sender keeps no graphs and its refit lands as without it."""
+    """`graph_send` (on by default) asks for CUDA graph replays; a CPU (gloo) group has none
+    to capture, so the sender keeps no graphs and its refit lands as without it."""
     import torch
 
     from common.plan import RefitPlan
@@ -64,7 +64,8 @@ def test_graph_send_on_a_gloo_group_sends_eagerly() -> None:
                        num_trainers=1, timeout_s=30, device="cpu")
     try:
         source = DictWeightSource({f"w{i}": torch.full((256,), float(i)) for i in range(8)})
-        config = RefitConfig(bucket_bytes=2048, timeout_s=30, graph_send=True)
+        config = RefitConfig(bucket_bytes=2048, timeout_s=30)
+        assert config.graph_send is True
         sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
         assert sender.plan.config.graph_send and not group.captures_broadcasts
         assert sender.graphs is None

@@ -25,10 +25,11 @@ def model(version: int) -> dict[str, torch.Tensor]:
     return t
 
 
-def nccl_rank(rank: int, world: int, port: int, buffers: int) -> dict:
+def nccl_rank(rank: int, world: int, port: int, buffers: int, graph_send: bool) -> dict:
     torch.cuda.set_device(0)
     bucket = 32 * MIB
-    config = RefitConfig(bucket_bytes=bucket, num_buffers=buffers, timeout_s=60)
+    config = RefitConfig(bucket_bytes=bucket, num_buffers=buffers, timeout_s=60,
+                         graph_send=graph_send)
     group = RefitGroup(host="127.0.0.1", port=port, rank=0, world_size=1, num_trainers=1,
                        timeout_s=60)
     assert group.backend == "nccl"
@@ -53,9 +54,11 @@ def nccl_rank(rank: int, world: int, port: int, buffers: int) -> dict:
             "times": times, "buckets": len(plan.buckets)}
 
 
+@pytest.mark.parametrize("graph_send", [True, False])
 @pytest.mark.parametrize("buffers", [1, 2, 3])
-def test_nccl_world_size_one_refit_and_gpu_memory_bound(buffers: int) -> None:
-    (res,) = expect_ok(run_ranks(nccl_rank, 1, buffers)).values()
+def test_nccl_world_size_one_refit_and_gpu_memory_bound(buffers: int, graph_send: bool) -> None:
+    """Frames by graph replay (the default) and eagerly: bytes right, memory within bounds."""
+    (res,) = expect_ok(run_ranks(nccl_rank, 1, buffers, graph_send)).values()
     assert res["ok"], "packed bytes differ"
     slack = 4 * MIB  # header buffers, caching-allocator rounding
     assert res["extra"] <= res["bound"] + slack, res
@@ -217,8 +220,9 @@ def test_cuda_checksum_covers_every_byte_and_its_position() -> None:
 
 
 def test_a_cuda_refit_stamps_each_bucket_header_with_its_payload_hash() -> None:
-    """NCCL, world size 1 (the sender's side): checksum on, every bucket still in a buffer
-    carries the hash of the bytes it holds, computed on the device without a host sync."""
+    """NCCL, world size 1 (the sender's side), eager frames (graph replay: the graph_send
+    tests): checksum on, every bucket still in a buffer carries the hash of the bytes it
+    holds, computed on the device without a host sync."""
     from common.wire import checksum
     from common.wire.bucket_header import HEADER_BYTES, Header
 
@@ -227,7 +231,8 @@ def test_a_cuda_refit_stamps_each_bucket_header_with_its_payload_hash() -> None:
     try:
         source = GatheringSource(model(1))
         plan = RefitPlan.build(source.plan_specs(), RefitConfig(bucket_bytes=32 * MIB,
-                                                                checksum=True))
+                                                                checksum=True,
+                                                                graph_send=False))
         sender = RefitSender.setup(group, plan)
         assert sender.checksums
         sender.refit(source, 1)
