@@ -7,8 +7,9 @@
 
 The arithmetic is in `cost_model_core.py` (buckets, the critical path with N buffers), the
 constants in `cost_model_inputs.py` (measured ones read from bench/results/ at run time, each
-with its file and stamp; links; assumed ranges), the check in `cost_model_check.py`, the
-at-scale model in `cost_model_scale.py`, the docs tables in `cost_model_readme.py`.
+with its file and stamp; links; assumed ranges), the check in `cost_model_check.py` (frames
+by graph replay: `cost_model_graph.py`), the at-scale model in `cost_model_scale.py`, the docs
+tables in `cost_model_readme.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cost_model_check import check  # noqa: E402
+from cost_model_check import CALIBRATION, NOT_HELD_OUT, cases, machine, sweep_cases  # noqa: E402
+from cost_model_graph import GRAPH_NOT_HELD_OUT, graph_sweep_cases  # noqa: E402
 from cost_model_readme import write  # noqa: E402
 from cost_model_scale import Engine, LayoutError, Links, Options, Trainer, figures, predict  # noqa: E402
 
@@ -62,6 +64,20 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--write-readme", action="store_true",
                     help="rewrite the At scale tables in docs/at-scale.md")
     return ap.parse_args(argv)
+
+
+def check() -> dict:
+    """The --check summary (the CLI prints it as its last line): eager frames, then frames by
+    graph replay."""
+    rows = cases() + sweep_cases() + graph_sweep_cases()
+    kept = [abs(r["error"]) for r in rows if "exception" not in r]
+    return {"cases": len(rows), "max_abs_error": round(max(kept), 3),
+            "within_25pct": sum(e <= 0.25 for e in kept),
+            "exceptions": [{k: r[k] for k in ("run", "list", "method", "error", "exception")}
+                           for r in rows if "exception" in r],
+            "not_held_out": {**NOT_HELD_OUT, **{f"{k} (graph replay)": v
+                                                for k, v in GRAPH_NOT_HELD_OUT.items()}},
+            "calibration": {c: machine(c).__dict__ for c in CALIBRATION}, "rows": rows}
 
 
 def answer(a: argparse.Namespace) -> dict:

@@ -7,7 +7,10 @@ per bucket, `fit_host`) without waiting for a buffer, then waits for the buffer 
 the host takes the next bucket (`StageCosts.overlap`), on a CPU the host packs before going on;
 a host that waits for its one buffer starts the next pack a hand-back after the buffer is free
 (`handback_s` a bucket plus `handback_tensor_s` a tensor of it: on a GPU the pack's own host
-calls, as measured; on a CPU fitted). The
+calls, as measured; on a CPU fitted). Frames sent by CUDA graph replay (`one_stream`): the host
+never waits for a buffer (the stream orders the reuse) and a bucket's pack starts once its
+sender's previous broadcast ended; the device costs then carry the replay's own (per frame, per
+launch). The
 wire carries the buckets one collective at a time over the group; a receiver holds `buffers`
 buckets, so the wire waits for the apply of the bucket `buffers` back.
 """
@@ -34,6 +37,7 @@ class StageCosts:
     wire: list[float]
     apply: list[float]
     overlap: bool = True  # the pack runs on the device while the host goes on (a GPU)
+    one_stream: bool = False  # frames by graph replay: pack and broadcast on one stream
 
 
 @dataclass
@@ -116,9 +120,13 @@ def simulate(buckets: list[Bucket], costs: StageCosts, buffers: int,
         # a host that waits for its one buffer wakes the hand-back after the buffer is free
         handback = handback_s + b.tensors * handback_tensor_s if buffers == 1 else 0.0
         free = mine[-buffers] + handback if len(mine) >= buffers else 0.0
+        if costs.one_stream:  # the stream waits, not the host: after the previous broadcast
+            free, after = 0.0, mine[-1] if mine else 0.0
+        else:
+            after = packed.get(b.sender, 0.0)
         taken = host_free.get(b.sender, 0.0) + costs.host[i]
         launch = max(taken, free)
-        packed[b.sender] = max(launch, packed.get(b.sender, 0.0)) + costs.device[i]
+        packed[b.sender] = max(launch, after) + costs.device[i]
         host_free[b.sender] = launch if costs.overlap else packed[b.sender]
         held = applied[i - buffers] if i >= buffers else 0.0
         start = max(packed[b.sender], wire_end, held)

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from cost_model import main, parse_layout  # noqa: E402
 from cost_model_check import CALIBRATION, HELD_OUT, SWEEPS, Machine, costs, machine  # noqa: E402
 from cost_model_core import Bucket, StageCosts, cut, fit_host, interleave, simulate  # noqa: E402
+from cost_model_graph import GRAPH_SWEEPS, graph_costs, graph_machine, starts_launch  # noqa: E402
 from cost_model_inputs import RESULTS, load  # noqa: E402
 from cost_model_readme import FILES, TABLES, render  # noqa: E402
 from cost_model_scale import Engine, LayoutError, Links, Options, Trainer, figures, wire_fraction  # noqa: E402
@@ -91,6 +92,28 @@ def test_cost_model_per_bucket_term_is_fitted_and_paid_per_bucket() -> None:
     # the lends on record show one: their synthetic lists are fitted with it
     assert all(machine(run).bucket_s > 0 for run in CALIBRATION)
     assert figures()["host_s_per_bucket"].expected > 0
+
+
+def test_cost_model_graph_replay_is_one_stream_with_costs_per_frame_and_launch() -> None:
+    # one stream: no host wait for a buffer, each pack after the previous broadcast; host 1,
+    # pack 2, wire 3 a bucket: 1 + 2 + 3, then 2 x (2 + 3), whatever the buffer count
+    three = [Bucket(0, 1, 1)] * 3
+    graph = StageCosts([1.0] * 3, [2.0] * 3, [3.0] * 3, [0.0] * 3, one_stream=True)
+    for buffers in (1, 2, 3):
+        assert simulate(three, graph, buffers).seconds == pytest.approx(1 + 5 + 2 * 5)
+    eager = StageCosts([1.0] * 3, [2.0] * 3, [3.0] * 3, [0.0] * 3)  # the pack beside the wire
+    assert simulate(three, eager, 2).seconds == pytest.approx(1 + 2 + 3 * 3)
+    # a dict's frames: the first alone, then runs of buffers + 1, one launch each
+    assert [i for i in range(8) if starts_launch(i, 2)] == [0, 1, 4, 7]
+    # each lend's calibration: a positive host rate, frame and launch costs never negative,
+    # and the device paid per frame and per launch on top of the pack
+    for sweep, calibration in GRAPH_SWEEPS.items():
+        g = graph_machine(sweep, calibration)
+        assert g.host_s > 0 and g.frame_s >= 0 and g.launch_s >= 0 and g.frame_s + g.launch_s > 0
+        bs = [Bucket(0, 10, 1 << 20)] * 4
+        c = graph_costs(g, bs, 1)
+        assert c.one_stream and c.device[1] - c.device[2] == pytest.approx(g.launch_s)
+        assert c.device[2] == pytest.approx((1 << 20) / g.base.pack_Bps + g.frame_s)
 
 
 def test_cost_model_delta_wire_fraction_matches_the_codec() -> None:
