@@ -25,7 +25,7 @@ from model_shapes import MODELS, qwen3_shapes, scaled
 CAL_MIB = 64
 # sender sweep file -> the same lend's broadcast-bench run (its pack rate)
 GRAPH_SWEEPS = {f"sender_sweep_h100_run{k}": f"gpu_h100x1_sweep_cal_run{k}"
-                for k in (4, 6, 7, 8, 9)}
+                for k in (4, 6, 7, 8, 9, 11)}
 GRAPH_NOT_HELD_OUT = {
     "sender_sweep_h100, sender_sweep_h100_run2, sender_sweep_h100_run3, sender_sweep_h200_run2":
     "measured before a dict's frames went in runs (one launch a frame)",

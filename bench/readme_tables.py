@@ -182,10 +182,11 @@ SWEEP_RUNS = ["sender_sweep_cpu", "sender_sweep_h200_nospin", "sender_sweep_h200
               "sender_sweep_h100", "sender_sweep_h100_run2", "sender_sweep_h100_run3",
               "sender_sweep_h200_run2", "sender_sweep_h100_run4", "sender_sweep_h100_run5",
               "sender_sweep_h100_run6", "sender_sweep_h100_run7", "sender_sweep_h100_run8",
-              "sender_sweep_h100_run9", "sender_sweep_h100_run10"]
+              "sender_sweep_h100_run9", "sender_sweep_h100_run10", "sender_sweep_h100_run11"]
 FP8_RUNS = ["fp8_cpu_quick", "fp8_h200", "fp8_h200_run2", "fp8_h100", "fp8_h100_run2",
             "fp8_h100_run3", "fp8_h200_run3", "fp8_h100_run4", "fp8_h100_run5", "fp8_h100_run6",
-            "fp8_h100_run7", "fp8_h100_run8", "fp8_h100_run9"]
+            "fp8_h100_run7", "fp8_h100_run8", "fp8_h100_run9", "fp8_h100_run11",
+            "fp8_h100_run11b", "fp8_h100_run11c"]
 
 
 def sender_sweep() -> str:
