@@ -370,10 +370,10 @@ def test_graph_send_stages_addresses_once_and_again_after_an_eager_pack() -> Non
 
 
 def test_graph_send_launches_runs_of_frames_in_order() -> None:
-    """With 2 buffers a graph launch carries up to 3 frames of a dict's tensors: the refit's
-    first frame alone, then runs; the buffers end holding the last frames, bit for bit, with
-    their headers. A frame that goes eagerly launches the pending run first: bucket 3 eager
-    in the same slot as bucket 1 (pending until then) holds bucket 3's bytes, not bucket 1's.
+    """With 2 buffers a graph launch carries up to 3 frames of a dict's tensors, a refit's runs
+    growing 1, 1, 2, 3; the buffers end holding the last frames, bit for bit, with
+    their headers. A frame that goes eagerly launches the pending run first: bucket 2, pending when
+    bucket 3 goes eagerly, is in its buffer before bucket 3 is, both bit for bit.
     A source's own copies (freed after the send) launch frame by frame."""
     from common.source import DictWeightSource
     from common.wire.bucket_header import HEADER_BYTES, Header
@@ -401,21 +401,21 @@ def test_graph_send_launches_runs_of_frames_in_order() -> None:
 
         for version in (1, 2):
             sender.refit(source, version)
-            assert sender.graphs.launches == 2 * version  # [0], [1, 2, 3]
+            assert sender.graphs.launches == 3 * version  # [0], [1], [2, 3]
             holds(version, [2, 3], weights)
         odd, name = dict(weights), plan.bucket_specs(plan.buckets[3])[-1].name
         raw = torch.empty(weights[name].numel() * 2 + 8, dtype=torch.uint8, device="cuda")
         odd[name] = raw[8:].view(torch.bfloat16).copy_(weights[name])  # not 16-byte aligned
-        sender.refit(DictWeightSource(odd), 3)  # [0], [1, 2], then bucket 3 eagerly
-        assert (sender.graphs.launches, sender.graphs.replays) == (6, 11)
+        sender.refit(DictWeightSource(odd), 3)  # [0], [1], [2], then bucket 3 eagerly
+        assert (sender.graphs.launches, sender.graphs.replays) == (9, 11)
         holds(3, [2, 3], odd)
         sender.refit(OddSource(weights, name), 4)  # a source's copies: each frame at once
-        assert (sender.graphs.launches, sender.graphs.replays) == (9, 14)
+        assert (sender.graphs.launches, sender.graphs.replays) == (12, 14)
         holds(4, [2, 3], weights)
         for t in weights.values():
             t.neg_()
         sender.refit(source, 5)
-        assert sender.graphs.launches == 11
+        assert sender.graphs.launches == 15
         holds(5, [2, 3], weights)
     finally:
         group.destroy()

@@ -95,13 +95,17 @@ class GraphFrames:
 
     Frames whose sources the weight source keeps alive (a dict's tensors, not copies the
     sender frees after the send) wait in a pending run of up to `per_run` and go as one graph
-    of the run (a graph launch costs host time like a frame's own work); the first frame of a
-    refit goes alone, so the device starts at once. The sender calls `flush` before anything else
-    reaches the group or the frames' buffers (an eager frame, the end of a refit): the run's
-    frames then precede it on the stream and on the wire. `per_run` is at most the buffer
-    count plus one: a trainer that sources none of the run takes at most that many buckets
-    past the run's first before it waits for that frame, so the run's source can take (and
-    gather with it) every bucket of the run before launching it."""
+    of the run (a graph launch costs host time like a frame's own work). A refit's runs grow
+    from one frame: 1, 1, 2, 3, ... up to `per_run` (`run_limit`), so the device starts at once
+    and is never left idle while the host takes a run much longer than the work queued before
+    it (a run of n after one of m idles the device for the host's take of n - m frames, where
+    the host takes a frame about as fast as the device sends it: FP8 fills). The sender
+    calls `flush` before anything else reaches the group or the frames' buffers (an eager
+    frame, the end of a refit): the run's frames then precede it on the stream and on the
+    wire. `per_run` is at most the buffer count plus one: a trainer that sources none of the
+    run takes at most that many buckets past the run's first before it waits for that frame,
+    so the run's source can take (and gather with it) every bucket of the run before
+    launching it."""
 
     def __init__(self, group: Transport, checksums: bool, per_run: int = 1) -> None:
         self.group, self.checksums, self.per_run = group, checksums, per_run
@@ -109,7 +113,7 @@ class GraphFrames:
         self._graphs: dict[tuple[int, int], _Captured | None] = {}
         self._runs: dict[tuple, _Run | None] = {}  # by the run's frame keys
         self._pending: list[tuple[tuple, _Captured, ReplayWork]] = []  # (key, entry, work)
-        self._fresh = True  # the next frame starts a refit
+        self._flushed = 0  # runs launched in this refit
         self._replans = 0  # the sharding's re-plans the graphs were captured after
         self.failure: str | None = None  # why capturing the broadcast failed (logged once)
         self.replays = 0  # frames sent by replay so far
@@ -189,17 +193,21 @@ class GraphFrames:
         self.group.count_moved(entry.nbytes)
         work = ReplayWork()
         self._pending.append((key, entry, work))
-        if self._fresh or not held or len(self._pending) >= self.per_run:
+        if not held or len(self._pending) >= self.run_limit():
             self.flush()
-        self._fresh = False
         return work
+
+    def run_limit(self) -> int:
+        """How many frames the pending run takes before it launches: 1 for a refit's first
+        two runs, then one more per run up to `per_run`."""
+        return min(self.per_run, max(1, self._flushed))
 
     def flush(self) -> None:
         """Launch the pending run's frames (one graph; each frame's own where the run's
         cannot be captured)."""
         if not (pending := self._pending):
             return
-        self._pending = []
+        self._pending, self._flushed = [], self._flushed + 1
         self.replays += len(pending)
         run = None
         if len(pending) > 1:
@@ -216,10 +224,10 @@ class GraphFrames:
             work.event = entry.event
 
     def start_refit(self, replans: int) -> None:
-        """A refit starts: its first frame goes alone; frames a failed refit left pending are
-        dropped (never launched); after a re-plan (`replans`: how many so far) every graph
-        is captured again, on the new subgroups."""
-        self._pending, self._fresh = [], True
+        """A refit starts: its runs grow from one frame again (`run_limit`); frames a failed
+        refit left pending are dropped (never launched); after a re-plan (`replans`: how many
+        so far) every graph is captured again, on the new subgroups."""
+        self._pending, self._flushed = [], 0
         if replans != self._replans:
             self._graphs, self._runs, self._replans = {}, {}, replans
 
