@@ -125,8 +125,8 @@ def fill_bucket(layout, got: list, targets: list, inner_at: np.ndarray, scales: 
         return ((inner_at[a.order_inner], slots[a.target_pos[order]], s_at[order]),
                 marks_rows(len(groups), (flags.address(bucket), *mark)))
 
-    def check() -> str | None:
-        return _why(targets, marked_tensor(groups, flags.marked(bucket)))
+    def check() -> str | None:  # no per-refit list held: the next refit frees none
+        return _why(layout, marked_tensor(groups, flags.marked(bucket)))
 
     def fill(slots: np.ndarray, mark: tuple[int, int]) -> Callable[[], str | None]:
         state.launches(bucket, targets, groups, fmt).run(*tables(slots, mark))
@@ -178,8 +178,10 @@ def bucket_tensors(layout, got: list, results: list, carried: list) -> list[torc
     return out
 
 
-def _why(targets: list, marked: int | None) -> str | None:
+def _why(layout, marked: int | None) -> str | None:
+    """Target `marked` (an index into the layout's targets) named, or None."""
     if marked is None:
         return None
-    return (f"{targets[marked][0]!r} has NaN or inf values: it cannot be quantized to FP8 (its "
-            "frame went with a NONFINITE status: no receiver loaded it)")
+    name = layout.names[layout.targets[marked][0]]
+    return (f"{name!r} has NaN or inf values: it cannot be quantized to FP8 (its frame went "
+            "with a NONFINITE status: no receiver loaded it)")
