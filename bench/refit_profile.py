@@ -9,6 +9,7 @@ calls by cProfile, to stderr); one whose device time exceeds the copy's is the k
     python3 bench/refit_profile.py --list qwen3_30b_a3b --graph-send --after 1  # later case
     python3 bench/refit_profile.py --list qwen3_30b_a3b --graph-send --after 1 --after-mode open
     python3 bench/refit_profile.py --list moe --bucket-mib 256 --fp8 --graph-send --timeline 60
+    python3 bench/refit_profile.py --list moe --bucket-mib 256 --fp8 --graph-send --host-timeline
 
 A later sender (`--after`) of a process whose earlier sender's frame graphs were destroyed
 ran slower than the first on the H100 lends (the device idle between graph launches); the
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 from broadcast_bench import DEFAULT_MODEL_SCALE, sync
 from fp8_bench import lists
+from host_timeline import print_calls, recording
 from profiling import profile_call
 from sender_sweep import copy_seconds
 from torch.profiler import ProfilerActivity, profile
@@ -117,6 +119,12 @@ def profile_refits(sender: RefitSender, source: Any, args: argparse.Namespace) -
         print_timeline(prof, args.timeline)
     if args.host:
         profile_call(sender.refit, source, next(version), top=args.host)
+    if args.host_timeline:
+        with recording() as log:
+            sync(args.device)
+            t0 = time.perf_counter()
+            sender.refit(source, next(version))
+        print_calls(log, t0)
     table = kernels(prof, args.reps)
     return {"wall_ms": round(statistics.median(walls) * 1e3, 3),
             "device_busy_ms": round(sum(ms for _, ms in table.values()), 3), "kernels": table,
@@ -165,6 +173,8 @@ def main() -> int:
                     help="graph frames without their NCCL broadcast (sent eagerly after each)")
     ap.add_argument("--timeline", type=int, default=0,
                     help="print the profiled refits' first N device events (idle before each)")
+    ap.add_argument("--host-timeline", action="store_true",
+                    help="one more refit with its host calls timestamped (host_timeline.py)")
     ap.add_argument("--cpu", action="store_true", help="a small CPU run (gloo; no kernels)")
     ap.add_argument("--after", type=int, default=0,
                     help="first set up, use (3 refits) and close this many senders of the "
