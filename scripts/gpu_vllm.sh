@@ -37,7 +37,9 @@ if [ "${1:-}" = profile ]; then  # issues 37 and 38: one text file in $OUT
     python3 bench/refit_profile.py --list $list --bucket-mib 64 --graph-send --eager-broadcast
     python3 bench/refit_profile.py --list $list --bucket-mib 64 --graph-send --eager-broadcast \
       --after 1
-    python3 bench/refit_profile.py --list $list --bucket-mib 256 --fp8 --graph-send --host 30
+    # FP8 (issue 38): the device's timeline and the host's calls of one refit
+    python3 bench/refit_profile.py --list $list --bucket-mib 256 --fp8 --graph-send \
+      --timeline 80 --host-timeline
     python3 bench/refit_profile.py --list $list --bucket-mib 256 --fp8 --host 30
   done > "$out/refit_profile_${gpu}.txt" 2>&1
   rc=$?; grep -E "wall|^\{" "$out/refit_profile_${gpu}.txt" | cut -c1-400; exit $rc
