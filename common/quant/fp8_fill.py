@@ -79,23 +79,23 @@ class FillState:
         """Bucket `bucket`'s launches, one per group of `targets` (made on its first fill)."""
         if (known := self._launches.get(bucket)) is None:
             known = self._launches[bucket] = fp8_kernel.QuantizeLaunches(
-                [fp8_kernel.like(targets[g[0]][1]) for g in groups], list(map(len, groups)),
+                [fp8_kernel.like(targets[g[0]]) for g in groups], list(map(len, groups)),
                 fmt.block, fmt.ue8m0)
         return known
 
 
-def fillable(targets: list[tuple[str, torch.Tensor]], groups, fmt: BlockFp8Format) -> bool:
+def fillable(targets: list[torch.Tensor], groups, fmt: BlockFp8Format) -> bool:
     """Whether the kernel takes every group of the bucket's targets (each group's tensors
     share a shape and dtype: the plan's groups, the native scan checked them)."""
-    return bool(targets) and all(launchable(targets[g[0]][1], fmt) for g in groups)
+    return bool(targets) and all(launchable(targets[g[0]], fmt) for g in groups)
 
 
-def fill_bucket(layout, got: list, targets: list, inner_at: np.ndarray, scales: dict,
+def fill_bucket(layout, tensors: list, targets: list, inner_at: np.ndarray, scales: dict,
                 state: FillState, bucket: int, fmt: BlockFp8Format,
                 held: bool) -> PreparedBucket | None:
-    """The bucket (`layout`: its `Fp8Layout`; `got`: its inner items, `targets` the FP8
-    ones among them, `inner_at` their addresses; `held`: the items outlive the send, a
-    dict's) as a `PreparedBucket` the sender fills; None
+    """The bucket (`layout`: its `Fp8Layout`; `tensors`: its inner tensors, `targets` the FP8
+    ones among them, `inner_at` their addresses; `held`: they outlive the send, a dict's) as
+    a `PreparedBucket` the sender fills; None
     when a scale of an earlier bucket's target is not a tensor (its items then say why).
     Takes that bucket's scales out of `scales` and puts this one's later scales (tensors the
     fill writes, kept in `state`) in."""
@@ -105,11 +105,10 @@ def fill_bucket(layout, got: list, targets: list, inner_at: np.ndarray, scales: 
         return None
     for _, n in a.carried_in:
         del scales[n]
-    device = targets[0][1].device
+    device = targets[0].device
     later = {}  # target -> the tensor its scale goes to (sent with a later bucket)
     for t, n in a.carried_out:
-        later[t] = scales[n] = state.later_scale(n, fmt.scale_shape(targets[t][1].shape),
-                                                 device)
+        later[t] = scales[n] = state.later_scale(n, fmt.scale_shape(targets[t].shape), device)
     ptrs = bucket_addresses(layout, inner_at, carried)
     groups, order = a.groups, a.order  # made once per plan: no Python per weight here
     flags = state.flags
@@ -139,15 +138,16 @@ def fill_bucket(layout, got: list, targets: list, inner_at: np.ndarray, scales: 
                           else None, check)
 
     def views() -> list[torch.Tensor]:
-        results = quantize_batch(targets, fmt, groups, inner_at[a.target_inner])
+        named = [(layout.names[k], x) for (k, _), x in zip(layout.targets, targets, strict=True)]
+        results = quantize_batch(named, fmt, groups, inner_at[a.target_inner])
         for result in results:
             if not isinstance(result, tuple):
                 raise ValueError(result)  # names the tensor
         for t, s in later.items():
             s.copy_(results[t][1])
-        return bucket_tensors(layout, got, results, carried)
+        return bucket_tensors(layout, tensors, results, carried)
 
-    return PreparedBucket(layout.names, ptrs, views, device, (got, carried, later), fill,
+    return PreparedBucket(layout.names, ptrs, views, device, (tensors, carried, later), fill,
                           np.concatenate([a.target_pos, a.scale_pos]),
                           stage_fill if device.type == "cuda" else None, held)
 
@@ -163,11 +163,11 @@ def bucket_addresses(layout, inner_at: np.ndarray, carried: list) -> np.ndarray:
     return ptrs
 
 
-def bucket_tensors(layout, got: list, results: list, carried: list) -> list[torch.Tensor]:
-    """A bucket's tensors by slot: its inner items (`got`), each target's (e4m3, scales)
-    from `results`, the scales carried from earlier buckets."""
+def bucket_tensors(layout, tensors: list, results: list, carried: list) -> list[torch.Tensor]:
+    """A bucket's tensors by slot: its inner tensors (`tensors`), each target's (e4m3,
+    scales) from `results`, the scales carried from earlier buckets."""
     a, out = layout.addressing, [None] * len(layout.names)
-    for k, (_, tensor) in zip(layout.inner, got, strict=True):
+    for k, tensor in zip(layout.inner, tensors, strict=True):
         out[k] = tensor
     for k, (q, _) in zip(a.target_pos.tolist(), results, strict=True):
         out[k] = q

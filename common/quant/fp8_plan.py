@@ -174,22 +174,23 @@ class Fp8Source:
         state = None  # what the fills keep between refits (`FillState`), from the first fill
         layouts = self._bucket_layouts(plan)
         for index, layout in enumerate(layouts):
-            got, addresses, held = self._take(inner, layout, taken)  # (name, tensor)s
-            if len(got) < len(layout.inner):
+            names, tensors, addresses, held = self._take(inner, layout, taken)
+            if len(tensors) < len(layout.inner):
                 raise ValueError(f"the weight source ended before {layout.names[0]!r}'s bucket "
-                                 f"was complete ({len(got)} of {len(layout.inner)} tensors)")
-            taken += len(got)
-            targets = layout.addressing.targets_of(got) if addresses is not None else []
+                                 f"was complete ({len(tensors)} of {len(layout.inner)} tensors)")
+            taken += len(tensors)
+            targets = layout.addressing.targets_of(tensors) if addresses is not None else []
             if fillable(targets, layout.groups, self.targets.fmt):
                 if ahead is not None:  # its scales may be this bucket's
                     yield from self._settled(*ahead, scales)
                     ahead = None
-                state = state or self._fill_state(plan, got[0][1].device)
-                if (prepared := fill_bucket(layout, got, targets, addresses, scales, state,
+                state = state or self._fill_state(plan, tensors[0].device)
+                if (prepared := fill_bucket(layout, tensors, targets, addresses, scales, state,
                                             index, self.targets.fmt, held)) is not None:
                     self.by_address += 1
                     yield prepared
                     continue
+            got = list(zip(names, tensors, strict=True))  # (name, tensor)s
             launched = (layout, got, *self._start(got, layout, addresses))
             if ahead is not None:
                 yield from self._settled(*ahead, scales)
@@ -199,28 +200,29 @@ class Fp8Source:
             yield from self._settled(*ahead, scales)
 
     def _take(self, inner: Iterator, layout: Fp8Layout,
-              taken: int) -> tuple[list, np.ndarray | None, bool]:
-        """The bucket's inner items and, when one native pass found every one with its
-        planned name, shape and dtype, contiguous on the targets' device, their addresses (in
-        `layout.inner` order; None where not so, or without the native module). From a dict
-        source (`MappingItems`) the pass takes them straight from its dict: then they are
-        held (the dict's own tensors, alive after the send)."""
+              taken: int) -> tuple[tuple, list, np.ndarray | None, bool]:
+        """The bucket's inner items, as their names and tensors, and, when one native pass
+        found every one with its planned name, shape and dtype, contiguous on the targets'
+        device, their addresses (in `layout.inner` order; None where not so, or without the
+        native module). From a dict source (`MappingItems`) the pass takes them straight from
+        its dict: then they are held (the dict's own tensors, alive after the send), and no
+        (name, tensor) item is made per tensor."""
         if isinstance(inner, MappingItems) and inner.position == taken and layout.targets:
             x = inner.mapping.get(layout.names[layout.targets[0][0]])
             if isinstance(x, torch.Tensor) and (scan := self._scan(layout, x.device)):
                 tensors, ptrs = scan.take_mapping(inner.mapping)
                 if tensors is not None:
                     inner.advance(len(layout.inner))
-                    got = list(zip(scan.names, tensors, strict=True))
-                    return got, None if ptrs is None else ptrs.copy(), True
+                    return scan.names, tensors, None if ptrs is None else ptrs.copy(), True
         got = list(itertools.islice(inner, len(layout.inner)))
+        names, tensors = tuple(n for n, _ in got), [t for _, t in got]
         if len(got) < len(layout.inner) or not layout.targets:
-            return got, None, False
-        x = layout.addressing.targets_of(got)[0][1]
+            return names, tensors, None, False
+        x = layout.addressing.targets_of(tensors)[0]
         if not isinstance(x, torch.Tensor) or (scan := self._scan(layout, x.device)) is None:
-            return got, None, False
+            return names, tensors, None, False
         ptrs = scan.take(got)[1]
-        return got, None if ptrs is None else ptrs.copy(), False
+        return names, tensors, None if ptrs is None else ptrs.copy(), False
 
     def _start(self, got: list, layout: Fp8Layout,
                addresses: np.ndarray | None) -> tuple[Fp8Batch, np.ndarray | None]:
@@ -330,7 +332,7 @@ def _prepared(layout: Fp8Layout, got: list, batch: Fp8Batch, inner: np.ndarray,
     ptrs[a.scale_pos] = s_at[a.scale_target]
 
     def views() -> list[torch.Tensor]:
-        return bucket_tensors(layout, got, batch.results(), carried)
+        return bucket_tensors(layout, [t for _, t in got], batch.results(), carried)
 
     return PreparedBucket(layout.names, ptrs, views, got[a.target_inner[0]][1].device,
                           (batch.buffers(), got, carried))
