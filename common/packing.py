@@ -78,6 +78,7 @@ class BucketLayout:
         self._unpacked: list[tuple[str, torch.Tensor]] | None = None
         self._offsets = np.array(self.offsets, dtype=np.int64)
         self._others: dict[bytes, tuple] = {}  # `fill`'s other slots and their kernels
+        self._last_other: tuple[np.ndarray, tuple] | None = None  # (filled, its entry)
 
     @property
     def kernels(self) -> list[tuple[np.ndarray | None, BufferKernel]]:
@@ -209,7 +210,10 @@ class BucketLayout:
 
     def _other_slots(self, filled: np.ndarray) -> tuple[np.ndarray, list, np.ndarray]:
         """The non-empty slots not in `filled`, their pack kernels (CUDA) and sizes, made
-        once per set of filled slots."""
+        once per set of filled slots (a source that passes the same `filled` array each refit
+        skips hashing its bytes)."""
+        if self._last_other is not None and self._last_other[0] is filled:
+            return self._last_other[1]
         key = filled.tobytes()
         if (known := self._others.get(key)) is None:
             rest = np.setdiff1d(np.arange(len(self.specs)), filled)
@@ -218,6 +222,7 @@ class BucketLayout:
                 else []
             sizes = np.array([self.specs[i].nbytes for i in rest.tolist()], dtype=np.int64)
             known = self._others[key] = (rest, kernels, sizes)
+        self._last_other = (filled, known)
         return known
 
     def release(self) -> None:

@@ -121,7 +121,7 @@ def fill_bucket(layout, tensors: list, targets: list, inner_at: np.ndarray, scal
         for t, s in later.items():
             s_at[t] = s.data_ptr()
         flags.launched += 1
-        return ((inner_at[a.order_inner], slots[a.target_pos[order]], s_at[order]),
+        return ((inner_at[a.order_inner], slots[a.order_pos], s_at[order]),
                 marks_rows(len(groups), (flags.address(bucket), *mark)))
 
     def check() -> str | None:  # no per-refit list held: the next refit frees none
@@ -148,7 +148,7 @@ def fill_bucket(layout, tensors: list, targets: list, inner_at: np.ndarray, scal
         return bucket_tensors(layout, tensors, results, carried)
 
     return PreparedBucket(layout.names, ptrs, views, device, (tensors, carried, later), fill,
-                          np.concatenate([a.target_pos, a.scale_pos]),
+                          a.filled,
                           stage_fill if device.type == "cuda" else None, held)
 
 

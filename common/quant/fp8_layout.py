@@ -49,6 +49,8 @@ class Fp8Addressing:
     groups: list[list[int]]  # the layout's groups (targets of one shape), as lists
     order: np.ndarray  # the targets in launch order (group after group)
     order_inner: np.ndarray  # their places in the inner order
+    order_pos: np.ndarray  # their positions in the bucket, in launch order
+    filled: np.ndarray  # the positions a fill writes: targets, then this bucket's scales
 
 
 def _addressing(layout: Fp8Layout) -> Fp8Addressing:
@@ -58,14 +60,16 @@ def _addressing(layout: Fp8Layout) -> Fp8Addressing:
     sent_here = {n for _, n in layout.scales}
     target_inner = np.array([inner_at[k] for k, _ in layout.targets], np.int64)
     order = np.array([t for g in layout.groups for t in g], np.int64)
+    target_pos = np.array([k for k, _ in layout.targets], np.int64)
+    scale_pos = np.array([k for k, _ in here], np.int64)
     return Fp8Addressing(
-        np.array(layout.inner, np.int64), np.array([k for k, _ in layout.targets], np.int64),
-        target_inner,
-        np.array([k for k, _ in here], np.int64), np.array([t for _, t in here], np.int64),
+        np.array(layout.inner, np.int64), target_pos, target_inner,
+        scale_pos, np.array([t for _, t in here], np.int64),
         tuple((k, n) for k, n in layout.scales if n not in target_of),
         tuple((t, n) for t, (_, n) in enumerate(layout.targets) if n not in sent_here),
         _picker([inner_at[k] for k, _ in layout.targets], len(layout.inner)),
-        [list(g) for g in layout.groups], order, target_inner[order])
+        [list(g) for g in layout.groups], order, target_inner[order], target_pos[order],
+        np.concatenate([target_pos, scale_pos]))
 
 
 def _picker(positions: list[int], count: int) -> Callable[[list], list]:
