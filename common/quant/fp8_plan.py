@@ -174,7 +174,7 @@ class Fp8Source:
         state = None  # what the fills keep between refits (`FillState`), from the first fill
         layouts = self._bucket_layouts(plan)
         for index, layout in enumerate(layouts):
-            names, tensors, addresses, held = self._take(inner, layout, taken)
+            got, names, tensors, addresses, held = self._take(inner, layout, taken)
             if len(tensors) < len(layout.inner):
                 raise ValueError(f"the weight source ended before {layout.names[0]!r}'s bucket "
                                  f"was complete ({len(tensors)} of {len(layout.inner)} tensors)")
@@ -190,7 +190,7 @@ class Fp8Source:
                     self.by_address += 1
                     yield prepared
                     continue
-            got = list(zip(names, tensors, strict=True))  # (name, tensor)s
+            got = got or list(zip(names, tensors, strict=True))  # (name, tensor)s
             launched = (layout, got, *self._start(got, layout, addresses))
             if ahead is not None:
                 yield from self._settled(*ahead, scales)
@@ -200,29 +200,30 @@ class Fp8Source:
             yield from self._settled(*ahead, scales)
 
     def _take(self, inner: Iterator, layout: Fp8Layout,
-              taken: int) -> tuple[tuple, list, np.ndarray | None, bool]:
-        """The bucket's inner items, as their names and tensors, and, when one native pass
-        found every one with its planned name, shape and dtype, contiguous on the targets'
-        device, their addresses (in `layout.inner` order; None where not so, or without the
-        native module). From a dict source (`MappingItems`) the pass takes them straight from
-        its dict: then they are held (the dict's own tensors, alive after the send), and no
-        (name, tensor) item is made per tensor."""
+              taken: int) -> tuple[list | None, tuple, list, np.ndarray | None, bool]:
+        """The bucket's inner items (the (name, tensor) items where the inner source made
+        them, else None), their names and tensors and, when one native pass found every one
+        with its planned name, shape and dtype, contiguous on the targets' device, their
+        addresses (in `layout.inner` order; None where not so, or without the native module).
+        From a dict source (`MappingItems`) the pass takes them straight from its dict: then
+        they are held (the dict's own tensors, alive after the send), and no item is made."""
         if isinstance(inner, MappingItems) and inner.position == taken and layout.targets:
             x = inner.mapping.get(layout.names[layout.targets[0][0]])
             if isinstance(x, torch.Tensor) and (scan := self._scan(layout, x.device)):
                 tensors, ptrs = scan.take_mapping(inner.mapping)
                 if tensors is not None:
                     inner.advance(len(layout.inner))
-                    return scan.names, tensors, None if ptrs is None else ptrs.copy(), True
+                    return None, scan.names, tensors, \
+                        None if ptrs is None else ptrs.copy(), True
         got = list(itertools.islice(inner, len(layout.inner)))
         names, tensors = tuple(n for n, _ in got), [t for _, t in got]
         if len(got) < len(layout.inner) or not layout.targets:
-            return names, tensors, None, False
+            return got, names, tensors, None, False
         x = layout.addressing.targets_of(tensors)[0]
         if not isinstance(x, torch.Tensor) or (scan := self._scan(layout, x.device)) is None:
-            return names, tensors, None, False
+            return got, names, tensors, None, False
         ptrs = scan.take(got)[1]
-        return names, tensors, None if ptrs is None else ptrs.copy(), False
+        return got, names, tensors, None if ptrs is None else ptrs.copy(), False
 
     def _start(self, got: list, layout: Fp8Layout,
                addresses: np.ndarray | None) -> tuple[Fp8Batch, np.ndarray | None]:
