@@ -7,6 +7,9 @@ gathers every rank's times and computes the report. Prints a table and, as the l
 JSON object with every figure.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/broadcast_bench.py --quick --out bench/results/x.json
+
+`--sweep` runs the sender sweep instead (every bucket size x buffer count, `bench/sender_sweep.py`,
+the other arguments passed on): `python3 bench/broadcast_bench.py --sweep --out ...`.
 """
 
 from __future__ import annotations
@@ -303,6 +306,11 @@ def run_ranks(world: int, args: argparse.Namespace, main: RankMain | None = None
 
 
 def main() -> None:
+    if "--sweep" in sys.argv[1:]:  # the sender sweep, its own arguments (module doc)
+        sys.argv.remove("--sweep")
+        from sender_sweep import main as sweep  # it imports this module: not at the top
+
+        return sweep()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CPU, gloo, small shapes (< 1 min)")
     ap.add_argument("--bucket-mib", type=int, default=None, help="256 on GPU, 64 on CPU")
