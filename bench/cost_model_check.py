@@ -233,6 +233,14 @@ def cases() -> list[dict]:
     return out
 
 
+def sweep_shapes(report: dict, name: str, v: dict) -> list:
+    """A sender sweep's list `name` (`v`: its entry in the report), rebuilt."""
+    if name == "moe":  # the synthetic list: equal tensors of the total's bytes
+        numel = v["total_bytes"] // 2 // v["tensors"]
+        return [(f"moe.{i}", (numel,)) for i in range(v["tensors"])]
+    return scaled(qwen3_shapes(MODELS["moe"][1]), report["settings"]["scale"])
+
+
 def sweep_cases() -> list[dict]:
     """Every checksum-off eager case of each sender sweep but the calibration's own (its
     synthetic list at its bucket size with 1 and 2 buffers), predicted from its calibration
@@ -241,11 +249,7 @@ def sweep_cases() -> list[dict]:
     for file, cal in SWEEPS.items():
         r, m = load(file), machine(cal)
         for name, v in r["lists"].items():
-            if name == "moe":  # the synthetic list: equal tensors of the total's bytes
-                numel = v["total_bytes"] // 2 // v["tensors"]
-                shapes = [(f"moe.{i}", (numel,)) for i in range(v["tensors"])]
-            else:
-                shapes = scaled(qwen3_shapes(MODELS["moe"][1]), r["settings"]["scale"])
+            shapes = sweep_shapes(r, name, v)
             for case in (c for c in v["cases"]
                          if not c["checksum"] and not c.get("graph_send")):
                 size, nb = case["bucket_mib"] << 20, case["buffers"]

@@ -17,10 +17,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from cost_model_check import EXCEPTIONS, Machine, machine
+from cost_model_check import EXCEPTIONS, Machine, machine, sweep_shapes
 from cost_model_core import Bucket, StageCosts, cut, fit_host, simulate
 from cost_model_inputs import load, stamp
-from model_shapes import MODELS, qwen3_shapes, scaled
 
 CAL_MIB = 64
 # sender sweep file -> the same lend's broadcast-bench run (its pack rate)
@@ -64,13 +63,6 @@ def graph_costs(g: GraphMachine, buckets: list[Bucket], buffers: int) -> StageCo
 def predict(g: GraphMachine, shapes, bucket_bytes: int, buffers: int) -> float:
     buckets = cut([(0, 2 * math.prod(s), False) for _, s in shapes], bucket_bytes)
     return simulate(buckets, graph_costs(g, buckets, buffers), buffers).seconds
-
-
-def sweep_shapes(report: dict, name: str, v: dict) -> list:
-    if name == "moe":  # the synthetic list: equal tensors of the total's bytes
-        numel = v["total_bytes"] // 2 // v["tensors"]
-        return [(f"moe.{i}", (numel,)) for i in range(v["tensors"])]
-    return scaled(qwen3_shapes(MODELS["moe"][1]), report["settings"]["scale"])
 
 
 def graph_cases_of(report: dict, name: str) -> dict[tuple[int, int], dict]:
