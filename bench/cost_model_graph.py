@@ -14,11 +14,10 @@ Qwen3-30B-A3B-shaped list.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
-from cost_model_check import EXCEPTIONS, Machine, machine, sweep_shapes
-from cost_model_core import Bucket, StageCosts, cut, fit_host, simulate
+from cost_model_check import EXCEPTIONS, Machine, buckets_of, machine, sweep_shapes
+from cost_model_core import Bucket, StageCosts, fit_host, simulate
 from cost_model_inputs import load, stamp
 
 CAL_MIB = 64
@@ -47,8 +46,9 @@ class GraphMachine:
 
 
 def starts_launch(i: int, buffers: int) -> bool:
-    """Whether a dict's bucket `i` starts a graph launch: the first frame goes alone, then runs
-    of `buffers` + 1 frames."""
+    """Whether a dict's bucket `i` starts a graph launch: the first frame alone, then runs of
+    `buffers` + 1 frames, as the sweeps held out were sent (since b71651a a refit's first runs
+    grow 1, 1, 2, ...: one or two launches more a refit)."""
     return i == 0 or (i - 1) % (buffers + 1) == 0
 
 
@@ -61,7 +61,7 @@ def graph_costs(g: GraphMachine, buckets: list[Bucket], buffers: int) -> StageCo
 
 
 def predict(g: GraphMachine, shapes, bucket_bytes: int, buffers: int) -> float:
-    buckets = cut([(0, 2 * math.prod(s), False) for _, s in shapes], bucket_bytes)
+    buckets = buckets_of(shapes, 1, bucket_bytes)
     return simulate(buckets, graph_costs(g, buckets, buffers), buffers).seconds
 
 
@@ -77,7 +77,7 @@ def graph_machine(sweep: str, cal: str) -> GraphMachine:
     stats = cases[CAL_MIB, 2]["stats"]["rank0"]
     host_s = (stats["produce_s"] + stats["pack_s"]) / len(shapes)
     bare = GraphMachine(base, host_s, 0.0, 0.0)
-    n = len(cut([(0, 2 * math.prod(s), False) for _, s in shapes], CAL_MIB << 20))
+    n = len(buckets_of(shapes, 1, CAL_MIB << 20))
     rows = [(n, sum(starts_launch(i, nb) for i in range(n)),
              cases[CAL_MIB, nb]["median_s"] - predict(bare, shapes, CAL_MIB << 20, nb))
             for nb in (1, 2)]
