@@ -186,7 +186,8 @@ SWEEP_RUNS = ["sender_sweep_cpu", "sender_sweep_h200_nospin", "sender_sweep_h200
 FP8_RUNS = ["fp8_cpu_quick", "fp8_h200", "fp8_h200_run2", "fp8_h100", "fp8_h100_run2",
             "fp8_h100_run3", "fp8_h200_run3", "fp8_h100_run4", "fp8_h100_run5", "fp8_h100_run6",
             "fp8_h100_run7", "fp8_h100_run8", "fp8_h100_run9", "fp8_h100_run11",
-            "fp8_h100_run11b", "fp8_h100_run11c", "fp8_h100_run12", "fp8_h100_run12b"]
+            "fp8_h100_run11b", "fp8_h100_run11c", "fp8_h100_run12", "fp8_h100_run12b",
+            "fp8_h100_run13", "fp8_h100_run13b", "fp8_h100_run13c"]
 
 
 def sender_sweep() -> str:
