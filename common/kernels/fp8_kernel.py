@@ -5,10 +5,11 @@ a frame's slots), so an MoE layer's experts cost one launch, not one each. A blo
 finite also marks two int64 words (a flag, a frame header's status) with no host sync.
 
 It reproduces what vLLM's `per_block_cast_to_fp8` computes with torch ops on CUDA, operation
-for operation: the amax clamped at 1e-4; the scale as amax times the float32 reciprocal of the
-e4m3 maximum (torch divides a CUDA tensor by a host scalar that way); optionally rounded up to
-a power of two (log2 and exp2 from libdevice, as CUDA's log2f / powf); the values multiplied by
-the scale's correctly rounded reciprocal and rounded to nearest into e4m3 (saturating).
+for operation: the amax (a NaN in the block kept, as torch's amax keeps it) clamped at 1e-4;
+the scale as amax times the float32 reciprocal of the e4m3 maximum (torch divides a CUDA
+tensor by a host scalar that way); optionally rounded up to a power of two (log2 and exp2 from
+libdevice, as CUDA's log2f / powf); the values multiplied by the scale's correctly rounded
+reciprocal and rounded to nearest into e4m3 (saturating).
 `common.quant.fp8_blocks.quantize` calls it for CUDA tensors and checks the scales after.
 """
 
@@ -44,6 +45,11 @@ if triton is not None:
     _IN = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
     @triton.jit
+    def _max_nan(a, b):
+        # a NaN wins, as in torch's amax: one reduction gives a block's amax and its NaN
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
     def _quantize_blocks(addrs, count, marks, q_base, s_base, m, n, stride_m, stride_n,
                          blocks_n, inv_max, IN: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, UE8M0: tl.constexpr, ALIGN: tl.constexpr,
@@ -61,12 +67,10 @@ if triton is not None:
         cols = pid_n * BN + tl.arange(0, BN)[None, :]
         mask = (rows < m) & (cols < n)
         v = tl.load(x + rows * stride_m + cols * stride_n, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.max(tl.abs(v), axis=1), axis=0), 1e-4)
-        sf = amax * inv_max
+        amax = tl.reduce(tl.reduce(tl.abs(v), 1, _max_nan), 0, _max_nan)
+        sf = tl.maximum(amax, 1e-4, propagate_nan=tl.PropagateNan.ALL) * inv_max
         if UE8M0:
             sf = libdevice.exp2(tl.ceil(libdevice.log2(sf)))
-        nans = tl.sum(tl.sum((v != v).to(tl.int32), axis=1), axis=0)
-        sf = tl.where(nans > 0, float("nan"), sf)
         inv = tl.math.div_rn(1.0, sf)
         tl.store(q + rows * n + cols, (v * inv).to(tl.float8e4nv), mask=mask)
         tl.store(s + pid_m * blocks_n + pid_n, sf)
@@ -150,7 +154,7 @@ def launch(addrs: torch.Tensor, count: int, aligns: tuple[int, int], like: Like,
             _pointer(bases[1], torch.float32, like.device), m, n, *like.strides,
             blocks[1], _INV_FP8_MAX)
     consts = dict(IN=_IN[like.dtype], BM=bm, BN=bn, UE8M0=ue8m0, ALIGN=aligns[0],
-                  Q_ALIGN=aligns[1], num_warps=8)
+                  Q_ALIGN=aligns[1], num_warps=4)
     # CPU tensors: Triton's interpreter (TRITON_INTERPRET=1), for tests without a GPU
     cuda = like.device.type == "cuda"
     with torch.cuda.device(like.device) if cuda else contextlib.nullcontext():
