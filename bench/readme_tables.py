@@ -187,7 +187,8 @@ FP8_RUNS = ["fp8_cpu_quick", "fp8_h200", "fp8_h200_run2", "fp8_h100", "fp8_h100_
             "fp8_h100_run3", "fp8_h200_run3", "fp8_h100_run4", "fp8_h100_run5", "fp8_h100_run6",
             "fp8_h100_run7", "fp8_h100_run8", "fp8_h100_run9", "fp8_h100_run11",
             "fp8_h100_run11b", "fp8_h100_run11c", "fp8_h100_run12", "fp8_h100_run12b",
-            "fp8_h100_run13", "fp8_h100_run13b", "fp8_h100_run13c"]
+            "fp8_h100_run13", "fp8_h100_run13b", "fp8_h100_run13c", "fp8_h100_run14",
+            "fp8_h100_run14b", "fp8_h100_run14c"]
 
 
 def sender_sweep() -> str:
