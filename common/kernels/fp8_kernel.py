@@ -5,7 +5,7 @@ a frame's slots), so an MoE layer's experts cost one launch, not one each. A blo
 finite also marks two int64 words (a flag, a frame header's status) with no host sync.
 
 It reproduces what vLLM's `per_block_cast_to_fp8` computes with torch ops on CUDA, operation
-for operation: the amax (a NaN in the block kept, as torch's amax keeps it) clamped at 1e-4;
+for operation: the amax clamped at 1e-4 (a block holding NaN gets an inf scale, not NaN);
 the scale as amax times the float32 reciprocal of the e4m3 maximum (torch divides a CUDA
 tensor by a host scalar that way); optionally rounded up to a power of two (log2 and exp2 from
 libdevice, as CUDA's log2f / powf); the values multiplied by the scale's correctly rounded
@@ -45,11 +45,6 @@ if triton is not None:
     _IN = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
     @triton.jit
-    def _max_nan(a, b):
-        # a NaN wins, as in torch's amax: one reduction gives a block's amax and its NaN
-        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-    @triton.jit
     def _quantize_blocks(addrs, count, marks, q_base, s_base, m, n, stride_m, stride_n,
                          blocks_n, inv_max, IN: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, UE8M0: tl.constexpr, ALIGN: tl.constexpr,
@@ -67,8 +62,10 @@ if triton is not None:
         cols = pid_n * BN + tl.arange(0, BN)[None, :]
         mask = (rows < m) & (cols < n)
         v = tl.load(x + rows * stride_m + cols * stride_n, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.reduce(tl.reduce(tl.abs(v), 1, _max_nan), 0, _max_nan)
-        sf = tl.maximum(amax, 1e-4, propagate_nan=tl.PropagateNan.ALL) * inv_max
+        # one max reduction gives the amax and whether a NaN is in the block: a NaN counts as
+        # inf (a plain max drops NaN, and Triton's interpreter runs only built-in ones fast)
+        amax = tl.max(tl.max(tl.where(v == v, tl.abs(v), float("inf")), axis=1), axis=0)
+        sf = tl.maximum(amax, 1e-4) * inv_max
         if UE8M0:
             sf = libdevice.exp2(tl.ceil(libdevice.log2(sf)))
         inv = tl.math.div_rn(1.0, sf)
