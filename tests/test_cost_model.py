@@ -130,9 +130,9 @@ def test_cost_model_constants_are_in_the_results() -> None:
     for sweep, calibration in SWEEPS.items():
         assert load(sweep)["lists"] and calibration in CALIBRATION, sweep
     for f in figures().values():
-        # an FP8 refit can take no longer than the bf16 one: its quantize then costs nothing
-        least = 0 if f.name == "quantize_over_copy" else 1e-12
-        assert f.best >= least and f.expected > 0 and f.worst > 0, f.name
+        # an FP8 refit may take no longer than the bf16 one: its quantize then costs nothing
+        assert f.best > 0 or (f.best == 0 and f.name == "quantize_over_copy"), f.name
+        assert f.expected > 0 and f.worst > 0, f.name
         if f.measured:
             assert (RESULTS / f.source).exists() and f.stamp, f.name
 

@@ -62,8 +62,8 @@ if triton is not None:
         cols = pid_n * BN + tl.arange(0, BN)[None, :]
         mask = (rows < m) & (cols < n)
         v = tl.load(x + rows * stride_m + cols * stride_n, mask=mask, other=0.0).to(tl.float32)
-        # one max reduction gives the amax and whether a NaN is in the block: a NaN counts as
-        # inf (a plain max drops NaN, and Triton's interpreter runs only built-in ones fast)
+        # one max reduction gives the amax, inf where the block holds NaN or inf: a NaN counts
+        # as inf (a plain max drops NaN; Triton's interpreter runs only built-in ones fast)
         amax = tl.max(tl.max(tl.where(v == v, tl.abs(v), float("inf")), axis=1), axis=0)
         sf = tl.maximum(amax, 1e-4) * inv_max
         if UE8M0:
