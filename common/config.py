@@ -30,6 +30,7 @@ _ENV = {
     "shadow": ("REFIT_SHADOW", str),
     "interleave": ("REFIT_INTERLEAVE", boolean),
     "graph_send": ("REFIT_GRAPH_SEND", boolean),
+    "concurrent_sources": ("REFIT_CONCURRENT_SOURCES", boolean),
 }
 SHADOW_PLACES = ("device", "host")
 # Settings each trainer keeps for itself: not in the plan that rank 0 sends at setup.
@@ -90,6 +91,12 @@ class RefitConfig:
         every frame eagerly, its pack on a stream of its own beside the broadcast (what a
         wire much slower than the pack may prefer: docs/architecture.md). Local to each
         trainer; the receivers need nothing.
+    concurrent_sources: where the plan has two or more source ranks, each source's buckets
+        form its own stream, sent over communicators that hold only that source and the
+        workers that receive them, all sources at once (`common.transfer.schedule`); each
+        receiver then keeps `num_buffers` buffers per source it receives from. False
+        (`REFIT_CONCURRENT_SOURCES=0`): one ordered stream, every trainer in every frame's
+        group. Travels in the plan (both sides must run the same protocol), outside its digest.
     """
 
     bucket_bytes: int = 256 << 20
@@ -104,6 +111,7 @@ class RefitConfig:
     shadow: str = "device"
     interleave: bool = False
     graph_send: bool = True
+    concurrent_sources: bool = True
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> RefitConfigError:
@@ -127,7 +135,8 @@ class RefitConfig:
             raise bad("num_buffers", "more than 16 buffers only costs memory")
         if self.alignment < 1 or self.alignment & (self.alignment - 1) or self.alignment > 4096:
             raise bad("alignment", "must be a power of two between 1 and 4096")
-        for field in ("checksum", "shard_to_shard", "delta", "interleave", "graph_send"):
+        for field in ("checksum", "shard_to_shard", "delta", "interleave", "graph_send",
+                      "concurrent_sources"):
             if not isinstance(getattr(self, field), bool):
                 raise bad(field, "must be a bool")
         if not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:

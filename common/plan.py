@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -155,6 +155,29 @@ def interleave(specs: Sequence[TensorSpec], config: RefitConfig) -> list[TensorS
     return out
 
 
+def balance_sources(specs: Sequence[TensorSpec],
+                    candidates: Mapping[str, Sequence[int]]) -> list[TensorSpec]:
+    """`specs` (same order) with each tensor that several ranks can send (`candidates[name]`:
+    those ranks, the spec's own `source_rank` among them or not) given to the candidate with
+    the fewest bytes so far: the tensors with one possible source counted first, then the
+    others largest first (ties: the lower rank), so every source sends about the same bytes
+    (`common.transfer.schedule` runs the sources at once). Deterministic: every rank that
+    holds the same specs and candidates gets the same plan."""
+    loads: dict[int, int] = {}
+    for spec in specs:
+        if len(candidates.get(spec.name, ())) < 2:
+            loads[spec.source_rank] = loads.get(spec.source_rank, 0) + spec.nbytes
+    flexible = sorted((s for s in specs if len(candidates.get(s.name, ())) >= 2),
+                      key=lambda s: -s.nbytes)
+    chosen: dict[str, int] = {}
+    for spec in flexible:
+        rank = min(sorted(candidates[spec.name]), key=lambda r: loads.get(r, 0))
+        loads[rank] = loads.get(rank, 0) + spec.nbytes
+        chosen[spec.name] = rank
+    return [dataclasses.replace(s, source_rank=chosen[s.name]) if s.name in chosen else s
+            for s in specs]
+
+
 @dataclass(frozen=True)
 class RefitPlan:
     """Everything both sides must agree on before the first byte moves."""
@@ -224,14 +247,14 @@ class RefitPlan:
         }
 
     def to_dict(self) -> dict:
-        """Plain JSON-able form (plus the timeout, the checksum, shard-to-shard, delta and undo
-        switches and the digest; a trainer's local settings stay with it) for sending once at
-        setup: every rank takes rank 0's, and a switch leaves the digest (and so the engines'
-        learned maps) as it is."""
+        """Plain JSON-able form (plus the timeout, the checksum, shard-to-shard, delta, undo
+        and concurrent-sources switches and the digest; a trainer's local settings stay with
+        it) for sending once at setup: every rank takes rank 0's, and a switch leaves the
+        digest (and so the engines' learned maps) as it is."""
         return {**self._body(), "timeout_s": self.config.timeout_s,
                 "checksum": self.config.checksum, "shard_to_shard": self.config.shard_to_shard,
                 "delta": self.config.delta, "undo_bytes": self.config.undo_bytes,
-                "digest": self.digest}
+                "concurrent_sources": self.config.concurrent_sources, "digest": self.digest}
 
     @classmethod
     def from_dict(cls, data: dict) -> RefitPlan:
@@ -247,6 +270,7 @@ class RefitPlan:
             shard_to_shard=data["shard_to_shard"],
             delta=data["delta"],
             undo_bytes=data["undo_bytes"],
+            concurrent_sources=data.get("concurrent_sources", False),
         )
         plan = cls(tuple(TensorSpec.from_json(s) for s in data["specs"]), config)
         if "digest" in data and data["digest"] != plan.digest:

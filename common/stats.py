@@ -31,6 +31,9 @@ class RefitStats:
     # commit (`pack_s` is whole frames alone); receiver: rebuilding frames from deltas
     delta_frames: int = 0  # receiver: frames that arrived as deltas
     wire_bytes: int = 0  # this rank's bytes sent or received by the refit's broadcasts
+    sources: int = 1  # sender: source streams sending at once (1: one ordered stream)
+    source_imbalance: float = 1.0  # sender: the busiest source's bytes over the mean source's
+    worker_imbalance: float = 1.0  # sender: the busiest receiving worker's bytes over the mean
     need_set: int = -1  # receiver: its need-set in this refit (-1: whole buckets to everyone)
     loaded_hash: str = ""  # receiver: a hash of the model-format bytes it loaded, if it made one
     role: str = "sender"
@@ -51,6 +54,9 @@ class RefitStats:
         text = (f"refit v{self.version}: {self.nbytes / 1e6:.1f} MB in {self.num_buckets} "
                 f"buckets, {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s; {mine}, wait "
                 f"{self.wait_s * 1e3:.1f} ms)")
+        if self.sources > 1:
+            text += (f"; {self.sources} sources at once (busiest source {self.source_imbalance:.2f}"
+                     f"x the mean, busiest worker {self.worker_imbalance:.2f}x)")
         if self.receivers:
             rank, slowest = max(self.receivers.items(), key=lambda kv: kv[1].get("seconds", 0))
             text += (f"; slowest of {len(self.receivers)} receivers: rank {rank} "

@@ -8,7 +8,9 @@ need-sets are formed (`common.shard.plan`) and each set gets a subgroup: every t
 workers, built in set order by its members alone. Until a worker reports needs it takes whole
 buckets (the full set); with no compact set at all the whole group carries whole buckets, as
 without shard-to-shard. Switched off (`RefitConfig.shard_to_shard`) or on a transport without
-subgroups, nothing is exchanged.
+subgroups, nothing is exchanged. With concurrent sources (`common.transfer.schedule`) each
+set's subgroup is one per source: that source + the set's workers (without need-sets: the
+source + every worker, built at the first refit).
 """
 
 from __future__ import annotations
@@ -50,18 +52,24 @@ WHOLE_GROUP = Route(-1, None)
 class Sharding:
     """One rank's view of the group's need-sets and its subgroups, kept across refits."""
 
-    def __init__(self, group: Transport, plan: RefitPlan) -> None:
-        self.group, self.plan = group, plan
+    def __init__(self, group: Transport, plan: RefitPlan, schedule) -> None:
+        """`schedule`: the plan's `common.transfer.schedule.Schedule` (concurrent sources:
+        each set's frames go per source, over a subgroup of that source and the set)."""
+        self.group, self.plan, self.schedule = group, plan, schedule
         self.enabled = plan.config.shard_to_shard and group.supports_subgroups
         self.digests: list[str] | None = None
         self.shard: ShardPlan | None = None  # None: whole buckets to the whole group
-        self.subgroups: dict[int, Subgroup | None] = {}  # set index -> its subgroup
+        # (set index, source rank; -1: every trainer) -> its subgroup, built by its members
+        self.subgroups: dict[tuple[int, int], Subgroup | None] = {}
         self.replans = 0
 
     def agree(self, mine: Needs | None, what: str = "refit") -> None:
         """Every rank, at a refit's start (`what`, e.g. "refit v3", names it in errors): this
         rank's needs (None: whole buckets)."""
         if not self.enabled:
+            if self.schedule.concurrent and not self.subgroups:
+                self._build_subgroups([(-1, tuple(range(self.group.num_trainers,
+                                                        self.group.world_size)))])
             return
         group = self.group
         digest = "" if mine is None or mine.full else mine.digest
@@ -75,15 +83,30 @@ class Sharding:
         group.drop_subgroups()
         if any(not n.full for n in needs.values()):
             self.shard = ShardPlan(self.plan, needs)
-            for s in self.shard.sets:
-                if group.is_trainer or group.rank in s.ranks:
-                    members = list(range(group.num_trainers)) + list(s.ranks)
-                    self.subgroups[s.index] = group.subgroup(members,
-                                                             f"{group.refits}/{s.index}")
+            self._build_subgroups([(s.index, s.ranks) for s in self.shard.sets])
+        elif self.schedule.concurrent:
+            self._build_subgroups([(-1, tuple(range(group.num_trainers, group.world_size)))])
         self.digests, self.replans = digests, self.replans + 1
         if group.rank == 0:
             log.info("%s: re-planned need-sets: %s", group.label,
                      self.shard.describe() if self.shard else "every worker takes whole buckets")
+
+    def _build_subgroups(self, sets: list[tuple[int, tuple[int, ...]]]) -> None:
+        """Each set's subgroup (every trainer + the set), or with concurrent sources one per
+        set and source (that source + the set), built by their members in one order of keys
+        on every rank: (set, source) ascending."""
+        group = self.group
+        sources = self.schedule.sources if self.schedule.concurrent else (-1,)
+        for index, ranks in sets:
+            for src in sources:
+                trainers = list(range(group.num_trainers)) if src < 0 else [src]
+                if group.rank in trainers or group.rank in ranks:
+                    key = f"{group.refits}/{index}" + (f"/{src}" if src >= 0 else "")
+                    self.subgroups[index, src] = group.subgroup(trainers + list(ranks), key)
+
+    def set_indices(self) -> set[int]:
+        """The need-sets this rank takes part in."""
+        return {index for index, _ in self.subgroups}
 
     def _reports(self, digests: list[str], mine: Needs | None,
                  what: str) -> dict[int, Needs]:
@@ -119,18 +142,35 @@ class Sharding:
 
     def routes(self, bucket: Bucket) -> list[Route]:
         """The frames of `bucket` this rank takes part in, in the order every rank sends
-        them: a trainer all of them, a worker its set's (none if it reads nothing of it)."""
+        them: a trainer all of them (with concurrent sources: all of the buckets it sources,
+        none of the others'), a worker its set's (none if it reads nothing of it)."""
+        src = bucket.source_rank if self.schedule.concurrent else -1
         if self.shard is None:
-            return [WHOLE_GROUP]
+            if not self.schedule.concurrent:
+                return [WHOLE_GROUP]
+            key = (-1, src)
+            return [Route(-1, self.subgroups[key])] if key in self.subgroups else []
         out = []
         for s in self.shard.sets:
-            if s.index not in self.subgroups:
+            if (key := (s.index, src)) not in self.subgroups:
                 continue
             if s.full:
-                out.append(Route(s.index, self.subgroups[s.index]))
+                out.append(Route(s.index, self.subgroups[key]))
             elif gather := self.shard.frames[s.index].get(bucket.index):
-                out.append(Route(s.index, self.subgroups[s.index], gather))
+                out.append(Route(s.index, self.subgroups[key], gather))
         return out
+
+    def worker_bytes(self) -> dict[int, int]:
+        """Receiving rank -> the payload bytes a refit sends it (whole buckets, or its set's
+        compact frames)."""
+        whole = sum(b.nbytes for b in self.plan.buckets)
+        ranks = range(self.group.num_trainers, self.group.world_size)
+        if self.shard is None:
+            return dict.fromkeys(ranks, whole)
+        per_set = {s.index: whole if s.full else sum(g.nbytes for g in
+                                                      self.shard.frames[s.index].values())
+                   for s in self.shard.sets}
+        return {r: per_set[self.shard.set_of(r).index] for r in ranks}
 
     def my_set(self) -> NeedSet | None:
         """This receiver's need-set, or None when the whole group takes whole buckets."""

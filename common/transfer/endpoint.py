@@ -17,6 +17,7 @@ from common.shard.needs import Needs
 from common.shard.replan import Route, Sharding
 from common.stats import RefitStats
 from common.transfer.handshake import exchange_status
+from common.transfer.schedule import Schedule
 from common.wire import checksum
 from common.wire.bucket_header import HEADER_BYTES, STATUS_ABORT, Header
 from common.wire.transport import Transport
@@ -28,32 +29,42 @@ class Endpoint:
     def __init__(self, group: Transport, plan: RefitPlan) -> None:
         self.group, self.plan = group, plan
         self.num_buffers = plan.config.num_buffers
+        self.schedule = Schedule.of(plan, group.supports_subgroups)
         self.checksums = plan.config.checksum and checksum.supported(group.device)
         self.payload_start = align_up(HEADER_BYTES, plan.config.alignment)
-        self.headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8, device=group.device)
-                        for _ in range(self.num_buffers)]
         self.pinned = False  # bucket buffers in page-locked host memory (`make_buffers`)
         self.make_buffers()
-        self.sharding = Sharding(group, plan)
+        self.sharding = Sharding(group, plan, self.schedule)
         self.compact: dict[int, CompactBuffers] = {}  # compact set -> its frame buffers
         self._replans = 0
 
     def make_buffers(self, pinned: bool = False) -> None:
-        """The N bucket buffers and each bucket's views of them; `pinned`: page-locked host
-        memory (a host group staging onto a GPU: its copies there then run asynchronously)."""
-        self.pinned = pinned
-        size = self.payload_start + self.plan.buffer_bytes
-        self.buffers = [host_bytes(size, self.group.device, pinned)
-                        for _ in range(self.num_buffers)]
+        """The bucket buffers (`num_buffers`; a receiver with concurrent sources that many per
+        stream, each as large as its stream's largest bucket) and each bucket's views of them;
+        `pinned`: page-locked host memory (a host group staging onto a GPU: its copies there
+        then run asynchronously)."""
+        self.pinned, group, schedule = pinned, self.group, self.schedule
+        self.slot_of = {b.index: schedule.sender_slot(b) if group.is_trainer
+                        else schedule.receiver_slot(b) for b in self.plan.buckets}
+        sizes = [0] * (self.num_buffers * (1 if group.is_trainer else schedule.num_streams))
+        for b in self.plan.buckets:
+            if not b.oversize and (b.source_rank == group.rank or not group.is_trainer
+                                   or not schedule.concurrent):
+                sizes[self.slot_of[b.index]] = max(sizes[self.slot_of[b.index]], b.nbytes)
+        self.buffers = [host_bytes(self.payload_start + size, group.device, pinned)
+                        for size in sizes]
+        self.headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8, device=group.device)
+                        for _ in sizes]  # a direct bucket's, by slot
         # Each bucket always lands in the same buffer: its views are made once, here (a view
         # costs microseconds of host time, several per bucket per refit otherwise).
-        self._frames = {b.index: self.buffers[b.index % self.num_buffers][
+        self._frames = {b.index: self.buffers[self.slot_of[b.index]][
             : self.payload_start + b.nbytes] for b in self.plan.buckets}
         self._payloads = {i: v[self.payload_start :] for i, v in self._frames.items()}
         self.layouts = {
             b.index: BucketLayout(self.bucket_buffer(b)[self.payload_start :],
                                   self.plan.bucket_specs(b), b.offsets)
-            for b in self.plan.buckets if not b.oversize
+            for b in self.plan.buckets if not b.oversize and (
+                b.source_rank == group.rank or not group.is_trainer or not schedule.concurrent)
         }
 
     def agree_on_needs(self, needs: Needs | None, what: str) -> None:
@@ -63,10 +74,11 @@ class Endpoint:
         if self.sharding.replans == self._replans:
             return
         self._replans, self.compact, shard = self.sharding.replans, {}, self.sharding.shard
-        for index in self.sharding.subgroups if shard is not None else ():
+        slots = self.num_buffers * (1 if self.group.is_trainer else self.schedule.num_streams)
+        for index in self.sharding.set_indices() if shard is not None else ():
             if not shard.sets[index].full:
                 self.compact[index] = CompactBuffers(self.group.device, self.payload_start,
-                                                     shard.frame_bytes(index), self.num_buffers,
+                                                     shard.frame_bytes(index), slots,
                                                      self.pinned)
 
     def header(self, bucket: Bucket, version: int, error: BaseException | None,

@@ -22,6 +22,7 @@ from common.transfer.apply_device import ApplyDevice
 from common.transfer.endpoint import Endpoint
 from common.transfer.frame_checks import checksum_error, first_differing_name, header_error
 from common.transfer.handshake import PlanCheck, agree_on_plan
+from common.transfer.streams import StreamReceive
 from common.wire.bucket_header import Header
 from common.wire.transport import Transport
 
@@ -112,7 +113,8 @@ class RefitReceiver(Endpoint):
         what = "refit" if version is None else f"refit v{version}"
         self.agree_on_needs(self.needs, what)
         stats.replan_s = time.perf_counter() - t0
-        frames = [(b, r) for b in self.plan.buckets for r in self.sharding.routes(b)]
+        buckets = [self.plan.buckets[i] for i in self.schedule.order]  # the order of issue
+        frames = [(b, r) for b in buckets for r in self.sharding.routes(b)]
         my_set = self.sharding.my_set()
         stats.need_set = -1 if my_set is None else my_set.index
         base_version = self._agree_on_bases(stats.need_set, verify, what)
@@ -131,7 +133,7 @@ class RefitReceiver(Endpoint):
             if base_version is not None:
                 error = DeltaReceive(self, frames, base_version, stats).run(hand_over, check)
             else:
-                error = self._receive_frames(frames, stats, version, hand_over)
+                error = StreamReceive(self, frames, stats).run(check, hand_over)
             if on_done is not None:
                 error = self._run_on_done(on_done, stats, error)
             stats = self.finish(stats, error, t0)
@@ -171,51 +173,23 @@ class RefitReceiver(Endpoint):
 
         return derive
 
-    def _receive_frames(self, frames: list[tuple[Bucket, Route]], stats: RefitStats,
-                        version: int | None, hand_over: Callable) -> BaseException | None:
-        """Frames of known sizes, posted up to N ahead; returns the refit's error."""
-        posted: dict[int, tuple[list, torch.Tensor | None]] = {}
-        error: BaseException | None = None
-        for ordinal, (bucket, route) in enumerate(frames):
-            self._post_ahead(frames, ordinal, posted)
-            works, target = posted.pop(ordinal)
-            self.wait_all(works, stats)
-            raw, payload = (self.headers[bucket.index % self.num_buffers], target) \
-                if bucket.direct and route.gather is None else self.frame(bucket, route, ordinal)
-            header = Header.decode(raw)
-            error = header_error(self.group.label, self.plan, bucket, route, header, version,
-                                 stats, error, first=ordinal == 0)
-            if error is not None or (error := self.verify_bytes(bucket, header, payload,
-                                                                header.checksum, stats)):
-                continue
-            error = hand_over(bucket, route, payload, False)
-        return error
-
-    def _post(self, bucket: Bucket, route: Route,
-              ordinal: int) -> tuple[list, torch.Tensor | None]:
+    def post_frame(self, bucket: Bucket, route: Route,
+                   slot: int) -> tuple[list, torch.Tensor | None]:
+        """Post the receive of one frame into `slot`; its works and, for a direct bucket,
+        the tensor its bytes land in."""
         what = f"refit bucket {bucket.index}/{len(self.plan.buckets)}"
+        if self.schedule.concurrent:
+            what += f" from rank {bucket.source_rank}"
         src, sub = bucket.source_rank, route.sub
         self.apply.settle(self.group.timeout_s, self.group.label)  # its buffer is free again
         if route.gather is not None:
-            frame = self.frame(bucket, route, ordinal)[0]
+            frame = self.frame(bucket, route, slot)[0]
             return [(self.group.broadcast(frame, src, sub), what)], None
         if bucket.direct:
-            hbuf = self.headers[bucket.index % self.num_buffers]
             target = self.direct_target(bucket)
-            return [(self.group.broadcast(hbuf, src, sub), what + " header"),
+            return [(self.group.broadcast(self.headers[slot], src, sub), what + " header"),
                     (self.group.broadcast(target, src, sub), what)], target
         return [(self.group.broadcast(self.bucket_buffer(bucket), src, sub), what)], None
-
-    def _post_ahead(self, frames: list[tuple[Bucket, Route]], ordinal: int, posted: dict) -> None:
-        """Post the receives of the frames up to N ahead of `ordinal` (at most one oversize
-        tensor beyond the N buffers)."""
-        nxt = max(posted, default=ordinal - 1) + 1  # frames before it are all posted
-        while nxt < len(frames) and nxt < ordinal + self.num_buffers:
-            bucket, route = frames[nxt]
-            if bucket.oversize and route.gather is None and posted:
-                break
-            posted[nxt] = self._post(bucket, route, nxt)
-            nxt += 1
 
     def frame_payload(self, bucket: Bucket, route: Route, ordinal: int) -> torch.Tensor:
         """Where frame `ordinal`'s whole payload goes: its buffer's payload region, or a

@@ -51,6 +51,7 @@ from common.transfer.endpoint import Endpoint
 from common.transfer.graph_frames import GraphFrames, ReplayWork
 from common.transfer.handshake import agree_on_plan
 from common.transfer.receiver import RefitReceiver
+from common.transfer.schedule import imbalance
 from common.wire import checksum
 from common.wire.bucket_header import (
     HEADER_BYTES,
@@ -155,6 +156,9 @@ class RefitSender(Endpoint):
         self.agree_on_needs(None, f"refit v{version}")
         modes = self.shadows.modes(f"refit v{version}") if self.shadows else {}
         stats.replan_s = time.perf_counter() - t0
+        stats.sources = self.schedule.num_streams
+        stats.source_imbalance = self.schedule.source_imbalance()
+        stats.worker_imbalance = imbalance(self.sharding.worker_bytes())
         if self.graphs is not None:  # subgroups made by a re-plan: capture their broadcasts
             self.graphs.start_refit(self.sharding.replans)
         routes = [self.sharding.routes(b) for b in plan.buckets]
@@ -216,7 +220,7 @@ class RefitSender(Endpoint):
         Returns the refit's error and, if the group died, its error."""
         bucket, version, tensors, ptrs = frame
         for route in routes:
-            key, t1 = (route.set_index, bucket.index % self.num_buffers), time.perf_counter()
+            key, t1 = (route.set_index, self.slot_of[bucket.index]), time.perf_counter()
             if route.set_index not in modes:
                 pending[key], held[key], error = self._send(bucket, version, tensors, ptrs,
                                                             error, table, route)
@@ -234,16 +238,16 @@ class RefitSender(Endpoint):
         """The (need-set, slot) buffers whose collectives must end before `bucket` is packed:
         its own slot per frame; for an oversize whole bucket every slot of its set (at most
         one oversize tensor is alive beyond the N buffers)."""
-        slots = range(self.num_buffers) if bucket.oversize else [bucket.index % self.num_buffers]
-        return [(r.set_index, s) for r in routes
-                for s in (slots if r.gather is None else [bucket.index % self.num_buffers])]
+        slot = self.slot_of[bucket.index]
+        slots = range(self.num_buffers) if bucket.oversize else [slot]
+        return [(r.set_index, s) for r in routes for s in (slots if r.gather is None else [slot])]
 
     def _send(self, bucket: Bucket, version: int, tensors: list, ptrs, error,
               table: tuple[torch.Tensor, dict], route: Route,
               ) -> tuple[list, torch.Tensor | None, BaseException | None]:
         """Pack (on its source) and start one frame's broadcasts; returns the works, the
         tensor they hold (alive until waited) and the refit's error so far."""
-        group, slot = self.group, bucket.index % self.num_buffers
+        group, slot = self.group, self.slot_of[bucket.index]
         is_src, src, sub = group.rank == bucket.source_rank, bucket.source_rank, route.sub
         what = f"refit v{version} bucket {bucket.index}/{len(self.plan.buckets)}"
         if route.set_index >= 0:
@@ -318,7 +322,7 @@ class RefitSender(Endpoint):
         bytes; else packed or gathered into its buffer). `mark`: the frame's header status
         word on the device and NONFINITE, when the source may fill the frame itself and mark
         it (`PreparedBucket.fill`; its check runs after the last frame, `_filled_error`)."""
-        slot = bucket.index % self.num_buffers
+        slot = self.slot_of[bucket.index]
         if bucket.direct and route.gather is None:
             return byte_view(tensors[0].contiguous())
         prepared = getattr(tensors, "prepared", None)

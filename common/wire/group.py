@@ -162,10 +162,33 @@ class RefitGroup(Transport):
     def _wait_for(self, work: dist.Work, deadline: float) -> None:
         """Poll `work.is_completed()` (a gloo `wait(timeout)` cannot serve here: from one
         torch version to the next, a timed-out wait leaves the work running or failed)."""
-        # NCCL kernels finish in microseconds; a gloo op on its thread in milliseconds.
-        self._poll(work.is_completed, deadline,
-                   _POLL_S if self.backend == "nccl" else _GLOO_POLL_S)
+        self._poll(work.is_completed, deadline, self._longest_poll_s())
         work.wait()  # raises the collective's own error, if any
+
+    def _longest_poll_s(self) -> float:
+        # NCCL kernels finish in microseconds; a gloo op on its thread in milliseconds.
+        return _POLL_S if self.backend == "nccl" else _GLOO_POLL_S
+
+    def wait_first(self, pending: dict[object, list[tuple[dist.Work, str]]]) -> object:
+        """The first entry of `pending` whose works have all completed (`Transport`)."""
+        found: list[object] = []
+
+        def ready() -> bool:
+            for key, works in pending.items():
+                if all(work.is_completed() for work, _ in works):
+                    found.append(key)
+                    return True
+            return False
+
+        works = [work for entry in pending.values() for work, _ in entry]
+        whats = [what for entry in pending.values() for _, what in entry]
+        what = "waiting for any of " + ", ".join(whats[:4]) + (
+            f" and {len(whats) - 4} more" if len(whats) > 4 else "")
+        self._guarded(works, what, lambda deadline: self._poll(ready, deadline,
+                                                               self._longest_poll_s()))
+        for work, what in pending[found[0]]:
+            self.wait(work, what)  # raises the collective's own error, if any
+        return found[0]
 
     def _abandon(self, work: dist.Work, why: str) -> None:
         """Keep what the collective still holds alive (its buffers may yet be written, and

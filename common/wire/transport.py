@@ -176,12 +176,28 @@ class Transport(ABC):
     def wait(self, work: Any, what: str) -> None:
         """Finish `work` within the timeout or raise `RefitCommError` saying what it was,
         how long it waited and which rank failed first (the abort record)."""
+        self._guarded(work, what, lambda deadline: self._wait_for(work, deadline))
+
+    def wait_first(self, pending: dict[Any, list[tuple[Any, str]]]) -> Any:
+        """The key of an entry of `pending` (key -> its (work, what) list) whose works have
+        all ended, each then waited for as `wait` does (raising its error); within the
+        timeout, reading the abort record. This base waits for the first entry; a transport
+        that can tell which work ended first overrides it."""
+        key = next(iter(pending))
+        for work, what in pending[key]:
+            self.wait(work, what)
+        return key
+
+    def _guarded(self, work: Any, what: str, run: Callable[[float], None]) -> None:
+        """`run(deadline)` (a wait for `work`), its failure raised as `RefitCommError`: an
+        abort record read (`Abandoned`), the deadline or the backend's error, which this
+        rank then posts as the group's abort record unless another rank's is there."""
         if self.aborted is not None:
             raise RefitCommError(f"{self.label}: {what} refused: the refit group was abandoned "
                                  f"({self.aborted}); destroy and rebuild it")
         t0 = time.monotonic()
         try:
-            self._wait_for(work, t0 + self.timeout_s)
+            run(t0 + self.timeout_s)
         except Abandoned as e:
             self._abandon(work, str(e))
             raise RefitCommError(f"{self.label}: {what} abandoned after "
