@@ -8,6 +8,8 @@ Runs, one after another, each in its own processes (one rank per GPU, NCCL):
   2. `broadcast_bench.py --models --forward`: lists shaped like Qwen3-30B-A3B and Qwen3-8B, full
      group (half the GPUs train, each sending its contiguous share, like pipeline stages), and,
      with 2+ training ranks, the same with every share forwarded to rank 0 first;
+     each share its own stream sent at once (concurrent sources, the default), and the same
+     as one ordered stream (`REFIT_CONCURRENT_SOURCES=0`): `moe_concurrent_over_one_stream`;
   3. the same with `--trainers 1` (the minimal group: rank 0 sends everything), 3+ GPUs only;
   4. with megatron-core importable, 3+ GPUs: `mcore_refit_bench.py`, Megatron TP2 (dense) and
      EP2 (MoE) training ranks gathering while the other GPUs receive;
@@ -39,24 +41,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 HEADLINE = ("moe_double_buffer_fraction_of_ceiling", "moe_coalesced_speedup_vs_naive",
             "moe_double_buffer_time_over_raw", "dense_double_buffer_fraction_of_ceiling",
-            "moe_forwarded_time_over_owner_fed")
+            "moe_forwarded_time_over_owner_fed", "moe_concurrent_over_one_stream")
+ONE_STREAM = {"REFIT_CONCURRENT_SOURCES": "0"}
 
 
-def env() -> dict[str, str]:
+def env(extra: dict[str, str] | None = None) -> dict[str, str]:
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, **NO_MULTICAST, "PYTHONPATH": path}
+    return {**os.environ, **NO_MULTICAST, "PYTHONPATH": path, **(extra or {})}
 
 
 def bench(name: str, extra: list[str], args: argparse.Namespace,
-          script: str = "broadcast_bench.py") -> dict[str, Any]:
-    """One benchmark run; its report, or what went wrong."""
+          script: str = "broadcast_bench.py",
+          variables: dict[str, str] | None = None) -> dict[str, Any]:
+    """One benchmark run (`variables`: environment variables of its own); its report, or
+    what went wrong."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "report.json")
         cmd = [sys.executable, os.path.join(HERE, script), "--out", out, *extra]
         if args.quick:
             cmd.append("--quick")
         t0 = time.perf_counter()
-        done = subprocess.run(cmd, env=env(), capture_output=True, text=True,
+        done = subprocess.run(cmd, env=env(variables), capture_output=True, text=True,
                               timeout=args.step_timeout)
         print(f"[{name}] rc {done.returncode} in {time.perf_counter() - t0:.0f}s: "
               f"{' '.join(cmd[1:])}", flush=True)
@@ -92,7 +97,9 @@ def main() -> None:
         raise SystemExit(f"needs 2+ GPUs of one host ({gpus} visible); --quick checks on CPU")
     t0 = time.perf_counter()
     runs = {"synthetic": bench("synthetic", [], args),
-            "models_full_group": bench("models, full group", ["--models", "--forward"], args)}
+            "models_full_group": bench("models, full group", ["--models", "--forward"], args),
+            "models_one_stream": bench("models, one ordered stream", ["--models"], args,
+                                       variables=ONE_STREAM)}
     if args.quick or gpus >= 3:
         runs["models_minimal_group"] = bench("models, minimal group",
                                              ["--models", "--trainers", "1"], args)
@@ -105,6 +112,9 @@ def main() -> None:
     headline = runs["models_full_group"]
     report.update({k: headline.get(k) for k in HEADLINE})
     report["moe_like"] = headline.get("shapes", {}).get("moe", {}).get("like")
+    key, one = "moe_double_buffer_time_over_raw", runs["models_one_stream"]
+    if headline.get(key) and one.get(key):  # each over the raw broadcast of its own run
+        report["moe_concurrent_over_one_stream"] = round(headline[key] / one[key], 3)
     if not args.quick:
         report["nccl_tests"] = nccl_tests(args)
     report["wall_s"] = round(time.perf_counter() - t0, 1)

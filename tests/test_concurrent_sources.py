@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -229,3 +231,15 @@ def test_concurrent_balance_sources_evens_bytes() -> None:
     assert [s.name for s in out] == [s.name for s in specs]
     assert before > 1.5 and after < 1.05, (before, after)
     assert balance_sources(specs, {}) == specs
+
+
+def test_concurrent_sources_overlap() -> None:
+    """Sources whose every gather takes the same fixed time: four of them refit in at most
+    1.35 x a quarter of one source's time, and every byte arrives."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from concurrent_bench import overlap
+
+    res = overlap(buckets=16, gather_s=0.04, refits=2)
+    assert res["bitwise_equal"], res
+    assert (res["sources_k1"], res["sources_k2"], res["sources_k4"]) == (1, 2, 4), res
+    assert res["t_k4_s"] <= 1.35 * res["t_k1_s"] / 4, res

@@ -13,6 +13,7 @@ server does. Then trainers killed mid-refit, with and without the undo log (`-k 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -28,6 +29,7 @@ from common.wire.group import RefitGroup, free_port
 from tests.dtensor_vllm.helpers import perturb
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config, timed
 from tests.serve.test_survives import Served, run_cycles
+from tests.test_concurrent_sources import QuarterSources
 
 pytestmark = pytest.mark.slow
 TP, DP = 2, 2
@@ -132,6 +134,56 @@ def test_shard_and_delta_tp2_engine_with_two_replicas_refits_like_a_fresh_tp2_en
         _delta_refits(fleet, sender, source, group, want, hashes)
     finally:
         group.destroy()
+
+
+def test_concurrent_sources_tp2_dp2_refit_like_a_fresh_tp2_engine(checkpoints, want,
+                                                                   replicas) -> None:
+    """Two trainers, each the source of half the tensors, send at once (concurrent sources,
+    every worker receiving from both streams) into the TP2 x DP2 server: whole frames (the
+    workers learn their maps for this plan), then compact frames, then deltas on them (a few
+    percent changed, then the changed weights again); after each refit of known weights both
+    replicas generate exactly what a fresh TP2 server does on them."""
+    server, before = replicas
+    engine = server.client(timeout_s=TIMEOUT_S)
+    fleet, port, world = EngineFleet([engine]), free_port(), 2 + TP * DP
+    config = RefitConfig(bucket_bytes=64 << 10, delta=True, undo_bytes=64 << 20)
+    halves = [QuarterSources(checkpoints.states[0], sources=2) for _ in range(2)]
+    noisy = dict(checkpoints.states[1])
+    perturb(noisy, 8)
+
+    def setup(rank: int) -> RefitSender:
+        group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
+                           num_trainers=2, timeout_s=TIMEOUT_S, device="cpu",
+                           rank_names=fleet.rank_names(2))
+        return RefitSender.setup(group, RefitPlan.build(halves[rank].plan_specs(), config))
+
+    with ThreadPoolExecutor(2) as pool:
+        joining = fleet.join_async("127.0.0.1", port, 2, timeout_s=TIMEOUT_S)
+        senders = list(pool.map(setup, (0, 1)))
+        joining.result(TIMEOUT_S)
+        try:
+            for version, state, expected in ((6, checkpoints.states[1], [want, want]),
+                                             (7, checkpoints.states[0], before),
+                                             (8, noisy, None), (9, checkpoints.states[1],
+                                                                [want, want])):
+                for half in halves:
+                    half.tensors = state
+                other = pool.submit(senders[1].refit, halves[1], version)
+                stats = fleet.refit(lambda v=version: senders[0].refit(halves[0], v), version,
+                                    group=senders[0].group)
+                other.result(TIMEOUT_S)
+                print(f"[serve] {stats.summary()}")
+                assert stats.sources == 2 and engine.weight_version() == str(version)
+                if version >= 7:  # compact frames of each TP rank's need-set from v7 on
+                    sets = {r: t["need_set"] for r, t in stats.receivers.items()}
+                    assert sets[2] == sets[4] != sets[3] == sets[5], sets
+                if version >= 8:  # a few percent changed each: deltas to every worker
+                    assert all(t["delta_frames"] > 0 for t in stats.receivers.values())
+                for r in range(DP) if expected is not None else ():
+                    assert _greedy(engine, r) == expected[r], f"v{version}: replica {r}"
+        finally:
+            for sender in senders:
+                sender.group.destroy()
 
 
 def test_survives_tp2_dp2_trainers_killed_mid_refit(checkpoints, replicas, tmp_path) -> None:
