@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -140,18 +141,22 @@ def cut_buckets(specs: Sequence[TensorSpec], config: RefitConfig) -> list[Bucket
 
 
 def interleave(specs: Sequence[TensorSpec], config: RefitConfig) -> list[TensorSpec]:
-    """`specs` reordered so that their buckets (as `cut_buckets` cuts them) come one source
-    rank at a time in turn, each rank's buckets in their own order: the same buckets, cut
+    """`specs` reordered so that their buckets (as `cut_buckets` cuts them) come from the
+    source ranks in turn, each rank's buckets in their own order, the ranks merged by the
+    bytes each has sent before a bucket (ties: the lower rank first): the same buckets, cut
     again the same way from the new order."""
     queues: dict[int, list[Bucket]] = {}
     for bucket in cut_buckets(specs, config):
         queues.setdefault(bucket.source_rank, []).append(bucket)
-    turns, out = [q[::-1] for q in queues.values()], []
-    while turns:
-        for queue in turns:
-            bucket = queue.pop()
-            out += specs[bucket.start : bucket.stop]
-        turns = [q for q in turns if q]
+    heap = [(0, rank, 0) for rank in queues]
+    heapq.heapify(heap)
+    out: list[TensorSpec] = []
+    while heap:
+        sent, rank, k = heapq.heappop(heap)
+        bucket = queues[rank][k]
+        out += specs[bucket.start : bucket.stop]
+        if k + 1 < len(queues[rank]):
+            heapq.heappush(heap, (sent + bucket.nbytes, rank, k + 1))
     return out
 
 
@@ -201,10 +206,13 @@ class RefitPlan:
 
     @classmethod
     def build(cls, specs: Iterable[TensorSpec], config: RefitConfig | None = None) -> RefitPlan:
-        """The plan of `specs` in their order, or with `config.interleave` their buckets taken
-        by source rank in turn (`interleave`)."""
+        """The plan of `specs` in their order, or with `config.interleave` or
+        `config.concurrent_sources` their buckets taken by source rank in turn (`interleave`:
+        plan order is the order every rank issues frames in, so concurrent sources need it
+        to send at once; `common.transfer.schedule`)."""
         config, specs = config or RefitConfig(), tuple(specs)
-        return cls(tuple(interleave(specs, config)) if config.interleave else specs, config)
+        turns = config.interleave or config.concurrent_sources
+        return cls(tuple(interleave(specs, config)) if turns else specs, config)
 
     def with_local_settings(self, config: RefitConfig) -> RefitPlan:
         """This plan with `config`'s trainer-local settings (`LOCAL_SETTINGS`: they do not

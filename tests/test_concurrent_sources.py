@@ -86,8 +86,26 @@ def checking_receive(receiver: RefitReceiver, version: int, seen: list) -> objec
     return receiver.receive(whole, on_compact=compact, version=version)
 
 
+def record_issue_order(group: RefitGroup) -> list[tuple]:
+    """Every broadcast this rank issues, as (its communicator's ranks, its place among that
+    communicator's operations): the identity NCCL matches operations by."""
+    issued: list[tuple] = []
+    counts: dict[tuple, int] = {}
+    real = group.broadcast
+
+    def broadcast(tensor: torch.Tensor, src: int, sub=None):
+        ranks = tuple(range(group.world_size)) if sub is None else sub.ranks
+        counts[ranks] = counts.get(ranks, -1) + 1
+        issued.append((ranks, counts[ranks]))
+        return real(tensor, src, sub)
+
+    group.broadcast = broadcast
+    return issued
+
+
 def streams_rank(rank: int, world: int, port: int, config: RefitConfig) -> dict:
     group = group_of(rank, world, port)
+    issued = record_issue_order(group)
     if group.is_trainer:
         source = QuarterSources(weights(1))
         sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
@@ -99,7 +117,7 @@ def streams_rank(rank: int, world: int, port: int, config: RefitConfig) -> dict:
                             "receivers": {r: t["delta_frames"] for r, t in
                                           stats.receivers.items()}}
         mine = [b.nbytes for b in sender.plan.buckets if b.source_rank == rank]
-        out["mine"], out["frames"] = sum(mine), len(mine)
+        out["mine"], out["frames"], out["issued"] = sum(mine), len(mine), issued
         return out
     receiver = RefitReceiver.setup(group)
     out = {}
@@ -110,7 +128,22 @@ def streams_rank(rank: int, world: int, port: int, config: RefitConfig) -> dict:
         stats = checking_receive(receiver, version, seen)
         out[version] = {"frames": len(seen), "in_plan_order": seen == sorted(seen),
                         "need_set": stats.need_set}
+    out["issued"] = issued
     return out
+
+
+def opposite_orders(issued: dict[int, list[tuple]]) -> list:
+    """Pairs of operations two ranks both issue in opposite orders (what can deadlock NCCL
+    communicators that share a GPU)."""
+    place = {r: {op: i for i, op in enumerate(ops)} for r, ops in issued.items()}
+    bad = []
+    for a in issued:
+        for b in issued:
+            shared = [op for op in issued[a] if op in place[b]]  # in a's order
+            at_b = [place[b][op] for op in shared]
+            bad += [(a, b, shared[i], shared[i + 1]) for i in range(len(at_b) - 1)
+                    if at_b[i] > at_b[i + 1]]
+    return bad
 
 
 @pytest.mark.parametrize("delta", [False, True])
@@ -130,6 +163,11 @@ def test_concurrent_streams_bit_for_bit(delta: bool) -> None:
     assert res[TRAINERS][3]["need_set"] != res[TRAINERS + 1][3]["need_set"]
     if delta:  # refit 3 goes as deltas on refit 2's bases
         assert all(n > 0 for n in res[0][3]["receivers"].values()), res[0][3]
+    # the order rule: no two ranks issue any two of their common operations in opposite orders
+    issued = {r: [(tuple(ranks), k) for ranks, k in v["issued"]] for r, v in res.items()}
+    assert sum(len(v) for v in issued.values()) > 100
+    assert opposite_orders(issued) == []
+    assert any(len(ranks) < TRAINERS + RECEIVERS for ranks, _ in issued[TRAINERS])
 
 
 def drift_rank(rank: int, world: int, port: int) -> tuple[str, str]:
@@ -174,27 +212,43 @@ class DyingQuarters(QuarterSources):
 
 
 def killed_source_rank(rank: int, world: int, port: int) -> dict:
-    """Trainer 1 dies in its stream's third tensor while the other sources send."""
+    """Refit 1 lands; in refit 2 trainer 1 dies in its stream's second bucket while the other
+    sources send. Each receiver then rolls back from its undo log to refit 1's bytes."""
     group = group_of(rank, world, port, timeout_s=60)
-    config = dataclasses.replace(CONFIG, bucket_bytes=2 << 20, direct_bytes=2 << 20)
-    big = {f"w{i}": torch.randn(256, 1024) for i in range(16)}  # 1 MiB each
-    source = QuarterSources(big)
+    config = dataclasses.replace(CONFIG, bucket_bytes=2 << 20, direct_bytes=2 << 20,
+                                 undo_bytes=64 << 20)
+    weights = [{f"w{i}": torch.randn(256, 1024, generator=torch.Generator().manual_seed(
+        v * 100 + i)) for i in range(16)} for v in (1, 2)]  # 1 MiB each
     if group.is_trainer:
-        sender = RefitSender.setup(group, RefitPlan.build(source.plan_specs(), config))
-        sent = DyingQuarters(big) if rank == 1 else source
-        run = lambda: sender.refit(sent, 1)  # noqa: E731
+        sender = RefitSender.setup(group, RefitPlan.build(
+            QuarterSources(weights[0]).plan_specs(), config))
+        sender.refit(QuarterSources(weights[0]), 1)
+        sent = DyingQuarters(weights[1]) if rank == 1 else QuarterSources(weights[1])
+        run = lambda: sender.refit(sent, 2)  # noqa: E731
     else:
         receiver = RefitReceiver.setup(group)
-        run = lambda: receiver.receive(lambda items: time.sleep(0.02))  # noqa: E731
+        model: dict[str, torch.Tensor] = {}
+
+        def load(items: list) -> None:
+            model.update({n: t.clone() for n, t in items})
+            time.sleep(0.02)
+
+        receiver.receive(load, version=1)
+        run = lambda: receiver.receive(load, version=2)  # noqa: E731
     t0 = time.monotonic()
     try:
         run()
     except RefitCommError as e:
-        return {"raised": str(e), "after_s": time.monotonic() - t0}
+        out = {"raised": str(e), "after_s": time.monotonic() - t0}
+        if not group.is_trainer:
+            out["rolled_back"] = receiver.roll_back(load)
+            out["holds_v1"] = all(torch.equal(model[n], t) for n, t in weights[0].items())
+        return out
     return {"raised": None}
 
 
 def test_concurrent_killed_source_felt_within_seconds() -> None:
+    """Every surviving rank raises within 5 s; every receiver rolls back to refit 1."""
     res = run_ranks(killed_source_rank, TRAINERS + RECEIVERS, allow_dead=True, timeout=90)
     assert res[1] == ("dead", 17)
     for rank in set(res) - {1}:
@@ -202,23 +256,29 @@ def test_concurrent_killed_source_felt_within_seconds() -> None:
         assert status == "ok", value
         assert value["raised"] is not None, (rank, value)
         assert value["after_s"] < 5.0, (rank, value)
+        if rank >= TRAINERS:
+            assert value["rolled_back"] >= 1 and value["holds_v1"], (rank, value)
 
 
-def test_concurrent_schedule_keeps_each_stream_in_order() -> None:
-    specs = [TensorSpec(f"t{i}", (100 * (1 + i % 3),), torch.float32, i % 3) for i in range(30)]
+def test_concurrent_schedule_takes_sources_in_turn() -> None:
+    """A plan whose sources list their tensors one after another is built with their buckets
+    in turn (each stream in its own order), and a receiver's consecutive frames of a stream
+    land in different slots of that stream's own."""
+    specs = [TensorSpec(f"t{i}", (100 * (1 + i % 3),), torch.float32, i * 3 // 30)
+             for i in range(30)]
     plan = RefitPlan.build(specs, RefitConfig(bucket_bytes=1024, num_buffers=2))
     sched = Schedule.of(plan)
     assert sched.concurrent and sched.sources == (0, 1, 2)
-    assert sorted(sched.order) == list(range(len(plan.buckets)))
+    first = [b.source_rank for b in plan.buckets[:3]]
+    assert sorted(first) == [0, 1, 2], first  # taken in turn, not one source's run first
     for s in range(3):
-        mine = [i for i in sched.order if sched.stream[i] == s]
-        assert mine == sorted(mine)
-        # a receiver's slots of a stream are its own; consecutive frames alternate
-        slots = [sched.receiver_slot(plan.buckets[i]) for i in mine]
+        mine = [b for b in plan.buckets if sched.stream[b.index] == s]
+        names = [n for b in mine for n in plan.names[b.start : b.stop]]
+        assert names == sorted(names, key=lambda n: int(n[1:]))  # the source's own order
+        slots = [sched.receiver_slot(b) for b in mine]
         assert set(slots) == set(sched.stream_slots(s)) and slots[0] != slots[1]
-    off = Schedule.of(RefitPlan(plan.specs, RefitConfig(bucket_bytes=1024,
-                                                        concurrent_sources=False)))
-    assert not off.concurrent and off.order == tuple(range(len(plan.buckets)))
+    off = RefitPlan.build(specs, RefitConfig(bucket_bytes=1024, concurrent_sources=False))
+    assert not Schedule.of(off).concurrent and off.names == tuple(s.name for s in specs)
 
 
 def test_concurrent_balance_sources_evens_bytes() -> None:

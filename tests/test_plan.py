@@ -72,9 +72,12 @@ def test_buckets_are_bounded_aligned_ordered_and_single_source(items, bucket_byt
 def test_interleaved_plan_takes_each_sources_buckets_in_turn(items, bucket_bytes, alignment):
     specs = [TensorSpec(f"t{i}", tuple(shape), dtype, src)
              for i, (shape, dtype, src) in enumerate(items)]
-    config = RefitConfig(bucket_bytes=bucket_bytes, alignment=alignment, direct_bytes=3000)
+    config = RefitConfig(bucket_bytes=bucket_bytes, alignment=alignment, direct_bytes=3000,
+                         concurrent_sources=False)
     listed = RefitPlan.build(specs, config)
     turned = RefitPlan.build(specs, dataclasses.replace(config, interleave=True))
+    assert RefitPlan.build(specs, dataclasses.replace(config, concurrent_sources=True)
+                           ).specs == turned.specs
 
     def by_source(plan):  # each source's tensors in plan order
         out = {}
@@ -85,13 +88,13 @@ def test_interleaved_plan_takes_each_sources_buckets_in_turn(items, bucket_bytes
     # each source's own order; its buckets as listed, or merged where they came to touch
     assert by_source(turned) == by_source(listed)
     assert len(turned.buckets) <= len(listed.buckets)
-    sources = [b.source_rank for b in turned.buckets]
-    ranks = list(dict.fromkeys(sources))
-    counts = {r: sources.count(r) for r in ranks}
-    for turn in range(max(counts.values(), default=0)):  # round robin while a source has any
-        expect = [r for r in ranks if counts[r] > turn]
-        start = sum(min(counts[r], turn) for r in ranks)
-        assert sources[start : start + len(expect)] == expect
+    # merged by bytes: a source's next bucket comes when it has sent no more than any other
+    # source that still has one
+    sent = dict.fromkeys({b.source_rank for b in turned.buckets}, 0)
+    for i, bucket in enumerate(turned.buckets):
+        waiting = {b.source_rank for b in turned.buckets[i:]}
+        assert sent[bucket.source_rank] == min(sent[r] for r in waiting), (i, sent)
+        sent[bucket.source_rank] += bucket.nbytes
     assert RefitPlan.build(turned.specs, turned.config).specs == turned.specs  # idempotent
 
 
@@ -126,7 +129,9 @@ def test_digest_changes_with_any_name_shape_dtype_order_source_or_bucket_size() 
 
 
 def test_json_round_trip_and_difference_messages() -> None:
-    config = RefitConfig(bucket_bytes=4096, timeout_s=7.5, checksum=True)
+    # listed order (concurrent sources would take the two sources' buckets in turn)
+    config = RefitConfig(bucket_bytes=4096, timeout_s=7.5, checksum=True,
+                         concurrent_sources=False)
     plan = RefitPlan.build(sample_specs(), config)
     back = RefitPlan.from_json(plan.to_json())
     assert back.digest == plan.digest and back.specs == plan.specs and back.config == config

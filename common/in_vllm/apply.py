@@ -58,8 +58,7 @@ class BucketRuns:
     copy: BucketCopy  # destinations index `DirectLoad.dests`
     fallback: list[int] = field(default_factory=list)  # positions left to `load_weights`
     loaded: set[str] = field(default_factory=set)  # param names it fills
-    first_touch: list[str] = field(default_factory=list)  # processed layers materialised here
-    finishing: list[str] = field(default_factory=list)  # processed layers complete here
+    layers: list[str] = field(default_factory=list)  # processed layers it writes into
 
 
 def model_format(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -137,6 +136,11 @@ class DirectLoad:
         # bucket -> its runs from a compact payload, and its fallback tensors' offsets there
         self.compact: dict[int, tuple[BucketCopy, list[tuple[int, int]]]] = {}
         self.hashes: LoadedHashes | None = None  # set by the caller for one refit
+        # Each processed layer's buckets: a refit materialises the layer at the first of them
+        # to arrive and processes it once the last has been applied, in any order (frames
+        # of several sources arrive as they come, `common.transfer.streams`).
+        self.spans = Counter(path for r in runs.values() for path in r.layers)
+        self._left: dict[str, int] = {}
 
     def _reopened(self, fallback: frozenset[str] | None) -> list[str]:
         """What vLLM's reload must open each refit: the layers processed after their runs, the
@@ -216,6 +220,7 @@ class DirectLoad:
         Returns what was opened: the module to finalise the reload on."""
         t0 = time.perf_counter()
         self.times = {"copy_s": 0.0, "process_s": 0.0}  # this refit's, for the apply report
+        self._left = dict(self.spans)
         opened = self.processed if direct_only else self.reloaded
         initialize_layerwise_reload(opened)
         for layer in opened.modules():
@@ -256,21 +261,23 @@ class DirectLoad:
         """Bucket `index`'s runs from the bytes at `first`, then vLLM's processing of the
         layers it completes; `rest` to `fallback`."""
         runs = self.runs[index]
-        for path in runs.first_touch:
-            layer = self.modules[path]
-            _in_serving_memory(layer, LAYERWISE_INFO[layer])
-            materialize_layer(layer, LAYERWISE_INFO[layer])
-            live = get_layer_tensors(layer)
-            for i in self.dest_index[path]:
-                self.bases[i] = live[self.dests[i].name].data_ptr()
-            self._fill_consts(path)
+        for path in runs.layers:
+            if self._left[path] == self.spans[path]:  # the first of its buckets to arrive
+                layer = self.modules[path]
+                _in_serving_memory(layer, LAYERWISE_INFO[layer])
+                materialize_layer(layer, LAYERWISE_INFO[layer])
+                live = get_layer_tensors(layer)
+                for i in self.dest_index[path]:
+                    self.bases[i] = live[self.dests[i].name].data_ptr()
+                self._fill_consts(path)
         t0 = time.perf_counter()
         copy.run(first, self.bases)
         t1 = time.perf_counter()
-        for path in runs.finishing:
-            layer = self.modules[path]
-            self._hash_layer(path)
-            _layerwise_process(layer, LAYERWISE_INFO[layer])
+        for path in runs.layers:
+            self._left[path] -= 1
+            if self._left[path] == 0:  # the last of its buckets: the layer is complete
+                self._hash_layer(path)
+                _layerwise_process(self.modules[path], LAYERWISE_INFO[self.modules[path]])
         self.times["copy_s"] += t1 - t0
         self.times["process_s"] += time.perf_counter() - t1
         loaded = set(runs.loaded)

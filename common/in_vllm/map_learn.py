@@ -139,7 +139,7 @@ def _bucket_runs(plan: RefitPlan, bad_tensors: dict[int, str], ran: dict[int, Ru
                  dest_ids: dict[Dest, int], kinds: dict[str, str],
                  params_of: dict[str, set[str]]) -> dict[int, BucketRuns]:
     """Each bucket's runs (offsets from its first tensor), fallback positions and layers."""
-    out, seen, last = {}, set(), {}
+    out = {}
     for bucket in plan.buckets:
         parts, br = [], BucketRuns(BucketCopy(*(np.zeros(0, dtype=np.int64),) * 4))
         for pos, t in enumerate(bucket.spec_indices):
@@ -153,16 +153,11 @@ def _bucket_runs(plan: RefitPlan, bad_tensors: dict[int, str], ran: dict[int, Ru
                 layer = fill.dest.layer
                 if fill.dest.name in params_of[layer]:
                     br.loaded.add(fill.dest.param_name)
-                if kinds[layer] == PROCESS:
-                    if layer not in seen:
-                        seen.add(layer)
-                        br.first_touch.append(layer)
-                    last[layer] = bucket.index
+                if kinds[layer] == PROCESS and layer not in br.layers:
+                    br.layers.append(layer)
         if parts:
             br.copy = BucketCopy(*(np.concatenate(c) for c in zip(*parts, strict=True)))
         out[bucket.index] = br
-    for layer, index in last.items():
-        out[index].finishing.append(layer)
     return out
 
 

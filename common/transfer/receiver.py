@@ -113,8 +113,7 @@ class RefitReceiver(Endpoint):
         what = "refit" if version is None else f"refit v{version}"
         self.agree_on_needs(self.needs, what)
         stats.replan_s = time.perf_counter() - t0
-        buckets = [self.plan.buckets[i] for i in self.schedule.order]  # the order of issue
-        frames = [(b, r) for b in buckets for r in self.sharding.routes(b)]
+        frames = [(b, r) for b in self.plan.buckets for r in self.sharding.routes(b)]
         my_set = self.sharding.my_set()
         stats.need_set = -1 if my_set is None else my_set.index
         base_version = self._agree_on_bases(stats.need_set, verify, what)

@@ -1,4 +1,4 @@
-"""The transfer schedule: each frame's stream, its buffer slot, and the one order of issue.
+"""The transfer schedule: each frame's stream and buffer slot, and the one order of issue.
 
 Made once per plan, from the plan alone, identically on every rank. With concurrent sources
 (`RefitConfig.concurrent_sources`, a plan with two or more source ranks) each source rank's
@@ -7,23 +7,25 @@ the workers that receive the frame (`common.shard.replan` builds them); no train
 a frame another trainer sources, so the sources gather, pack and send at the same time, each
 through its own `num_buffers` rotating buffers. A receiver keeps `num_buffers` buffers per
 stream, posts its receives up to that many frames ahead in each stream and applies a frame as
-soon as it has arrived, whichever stream it came from.
+soon as it has arrived, whichever stream it came from (`common.transfer.streams`).
 
-Order rule (NCCL: operations on communicators that share a GPU can deadlock unless every rank
-issues them in one order). Every rank issues the collectives it takes part in as a subsequence
-of `Schedule.order`: a source its own stream, which is that order restricted to it; a worker
-posts its receives in that order (only the applying follows arrival). Two stream
-communicators share either their source (whose frames all lie in its stream, in order) or
-workers (which post in `order`), so no two ranks issue any two operations in opposite orders.
-Every frame is posted once all frames before it in `order` are posted and its slot's previous
-frame has been applied: by induction along `order`, every posted frame's peers post it too.
-`order` merges the streams by bytes (a frame's place: the bytes its stream sends before it), so
-streams of equal speed keep every worker's receives spread over all sources.
+Order rule: every rank issues everything it waits on in plan order. A source gathers (its
+weight source's collectives over the training group, which every trainer runs in plan order)
+and sends its buckets in plan order, waiting before bucket k only for its own frame k - N; a
+worker posts its receives in plan order, each once every frame before it is posted and its
+slot's previous frame (earlier in plan order) has been applied. So every wait is for an
+operation at an earlier plan position or for the peers of the same one, and by induction along
+plan order every operation is issued by all its peers: nothing can hang, however the streams'
+speeds differ and whatever training-group collectives the sources share. No two ranks issue two
+common operations in opposite orders (NCCL: operations on communicators that share a GPU can
+deadlock otherwise); the tests check this on every rank's record of issue. For the streams to
+run at once the plan takes its sources in turn (`RefitPlan.build` interleaves its buckets by
+bytes when concurrent sources are on: `common.plan.interleave`); in a plan that lists one
+source's buckets after another's, the later source runs at most `num_buffers` frames ahead.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 from common.plan import Bucket, RefitPlan
@@ -38,15 +40,14 @@ def imbalance(loads: list[int] | dict[int, int]) -> float:
 
 @dataclass(frozen=True)
 class Schedule:
-    """The streams of one plan; `concurrent` False: one ordered stream, plan order, as without
-    concurrent sources (every bucket's slot its index modulo `num_buffers`)."""
+    """The streams of one plan; `concurrent` False: one stream, as without concurrent sources
+    (every bucket's slot its index modulo `num_buffers`)."""
 
     concurrent: bool
     num_buffers: int
     sources: tuple[int, ...]  # source ranks, in stream order
     stream: tuple[int, ...]  # bucket index -> its stream (index into `sources`)
     position: tuple[int, ...]  # bucket index -> its place in its stream
-    order: tuple[int, ...]  # bucket indices in the order every rank issues them
     source_bytes: dict[int, int]  # source rank -> payload bytes it sends per refit
 
     @classmethod
@@ -64,10 +65,8 @@ class Schedule:
             position.append(counts[i])
             counts[i] += 1
             loads[bucket.source_rank] += bucket.nbytes
-        order = _merge_by_bytes(plan.buckets, stream) if concurrent else \
-            tuple(range(len(plan.buckets)))
         return cls(concurrent, plan.config.num_buffers, sources, tuple(stream),
-                   tuple(position), order, loads)
+                   tuple(position), loads)
 
     @property
     def num_streams(self) -> int:
@@ -94,21 +93,3 @@ class Schedule:
     def source_imbalance(self) -> float:
         """The busiest source's bytes over the mean source's."""
         return imbalance(self.source_bytes)
-
-
-def _merge_by_bytes(buckets: tuple[Bucket, ...], stream: list[int]) -> tuple[int, ...]:
-    """Bucket indices with every stream in its own order, the streams merged by the bytes
-    each sends before the bucket (ties: the lower stream first)."""
-    heads: dict[int, list[Bucket]] = {}
-    for bucket in buckets:
-        heads.setdefault(stream[bucket.index], []).append(bucket)
-    heap = [(0, s, 0) for s in heads]
-    heapq.heapify(heap)
-    order = []
-    while heap:
-        sent, s, k = heapq.heappop(heap)
-        bucket = heads[s][k]
-        order.append(bucket.index)
-        if k + 1 < len(heads[s]):
-            heapq.heappush(heap, (sent + bucket.nbytes, s, k + 1))
-    return tuple(order)

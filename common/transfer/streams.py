@@ -1,9 +1,9 @@
 """A receiver's whole and compact frames of one refit, from every source stream at once.
 
-The frames come in `Schedule.order` (`common.transfer.schedule`, whose docstring has the
-order rule): each is posted once every frame before it is posted and its slot is free again,
-and handed to the loader as soon as it has arrived, whichever stream it came from; nothing here
-assumes plan order. A slot: a whole bucket's fixed buffer (`Endpoint.slot_of`), or for a compact
+Frames are posted in plan order (`common.transfer.schedule`, whose docstring has the order
+rule), each once every frame before it is posted and its slot is free again, and handed to the
+loader as soon as it has arrived, whichever stream it came from: loaders see arrival order. A
+slot: a whole bucket's fixed buffer (`Endpoint.slot_of`), or for a compact
 frame its stream's next of `num_buffers` compact buffers. At most one oversize tensor (received
 into a tensor of its own) is in flight beyond the buffers. With one ordered stream the same loop
 keeps up to `num_buffers` frames in flight and applies them in plan order.
@@ -28,7 +28,7 @@ class StreamReceive:
     def __init__(self, rx, frames: list[tuple[Bucket, Route]], stats: RefitStats) -> None:
         self.rx, self.stats = rx, stats
         schedule, n = rx.schedule, rx.num_buffers
-        self.frames = frames  # in `Schedule.order`
+        self.frames = frames  # in plan order
         counts: dict[int, int] = {}
         self.slots = []
         for bucket, route in self.frames:
