@@ -10,7 +10,9 @@
    source plans it: each expert sent by its owner, the dense tensors of a stage spread over
    that stage's ranks (`common.plan.balance_sources`); `source_imbalance` = the busiest
    source's bytes over the mean, `worker_imbalance` the busiest engine worker's (every worker
-   takes whole buckets here), `imbalance_max` the larger.
+   takes whole buckets here), `imbalance_max` the larger, with 12 layers a stage;
+   `imbalance_max_edge` the same with 11 layers on the first and the last stage (which also
+   hold the 622 MB embedding and head).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/concurrent_bench.py --quick [--out FILE]
 
@@ -33,7 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.*, recipes.*
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from model_shapes import QWEN3_30B_A3B, qwen3_shapes, scaled  # noqa: E402
+from model_shapes import QWEN3_30B_A3B, qwen3_shapes  # noqa: E402
+from provenance import save  # noqa: E402
 
 from common.config import RefitConfig  # noqa: E402
 from common.plan import RefitPlan, TensorSpec, balance_sources  # noqa: E402
@@ -129,14 +132,27 @@ def overlap(buckets: int, gather_s: float, refits: int) -> dict:
     return out
 
 
-def megatron_spread(pp: int, ep: int, scale: float = 1.0) -> RefitPlan:
+def stage_of(layer: int, layers: int, pp: int, edge: int | None) -> int:
+    """The pipeline stage of `layer`: an even split, or with `edge` that many layers on the
+    first and the last stage and the rest split evenly between the others (Megatron's
+    `decoder_first_pipeline_num_layers` / `decoder_last_pipeline_num_layers`)."""
+    if edge is None:
+        return layer * pp // layers
+    if layer < edge:
+        return 0
+    if layer >= layers - edge:
+        return pp - 1
+    return 1 + (layer - edge) * (pp - 2) // (layers - 2 * edge)
+
+
+def megatron_spread(pp: int, ep: int, edge: int | None = None) -> RefitPlan:
     """The Qwen3-30B-A3B-shaped list at PP x EP as the Megatron source plans it (module doc);
-    rank = stage * ep + ep rank; even layers per stage, embedding first, head last."""
+    rank = stage * ep + ep rank; embedding first, head last."""
     cfg = QWEN3_30B_A3B
     specs, candidates = [], {}
-    for name, shape in scaled(qwen3_shapes(cfg), scale):
+    for name, shape in qwen3_shapes(cfg):
         layer = re.search(r"layers\.(\d+)\.", name)
-        stage = (int(layer.group(1)) * pp // cfg.layers if layer
+        stage = (stage_of(int(layer.group(1)), cfg.layers, pp, edge) if layer
                  else 0 if "embed" in name else pp - 1)
         expert = re.search(r"experts\.(\d+)\.", name)
         owner = int(expert.group(1)) * ep // cfg.experts if expert else 0
@@ -146,13 +162,17 @@ def megatron_spread(pp: int, ep: int, scale: float = 1.0) -> RefitPlan:
     return RefitPlan.build(balance_sources(specs, candidates), RefitConfig())
 
 
-def spread(pp: int = 4, ep: int = 4) -> dict:
-    schedule = Schedule.of(megatron_spread(pp, ep))
-    source = schedule.source_imbalance()
+def spread(pp: int = 4, ep: int = 4, edge: int = 11) -> dict:
+    """Even layers per stage, and `edge` layers on the first and last stage (which also hold
+    the embedding and the head, 311 M elements each, whole tensors that no split can share)."""
+    even = Schedule.of(megatron_spread(pp, ep))
+    uneven = Schedule.of(megatron_spread(pp, ep, edge))
     worker = 1.0  # whole buckets: every worker takes every byte
-    return {"layout": f"Qwen3-30B-A3B PP{pp} x EP{ep}", "sources": len(schedule.sources),
-            "source_imbalance": round(source, 4), "worker_imbalance": worker,
-            "imbalance_max": round(max(source, worker), 4)}
+    return {"layout": f"Qwen3-30B-A3B PP{pp} x EP{ep}", "sources": len(even.sources),
+            "source_imbalance": round(even.source_imbalance(), 4), "worker_imbalance": worker,
+            "imbalance_max": round(max(even.source_imbalance(), worker), 4),
+            "edge_layers": edge,
+            "imbalance_max_edge": round(max(uneven.source_imbalance(), worker), 4)}
 
 
 def main() -> None:
@@ -171,10 +191,11 @@ def main() -> None:
         print(f"K={k}: {result[f't_k{k}_s'] * 1e3:8.1f} ms a refit "
               f"({result[f'sources_k{k}']} source streams)")
     print(f"{result['layout']}: {result['sources']} sources, busiest source "
-          f"{result['source_imbalance']:.3f}x the mean")
-    if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
+          f"{result['source_imbalance']:.3f}x the mean (even layers per stage), "
+          f"{result['imbalance_max_edge']:.3f}x ({result['edge_layers']} layers on the first "
+          f"and last stage)")
+    save(result, a.out)
+    print(json.dumps({k: v for k, v in result.items() if k != "provenance"}))
 
 
 if __name__ == "__main__":
