@@ -46,10 +46,9 @@ class Endpoint:
         self.pinned, group, schedule = pinned, self.group, self.schedule
         self.slot_of = {b.index: schedule.sender_slot(b) if group.is_trainer
                         else schedule.receiver_slot(b) for b in self.plan.buckets}
-        sizes = [0] * (self.num_buffers * (1 if group.is_trainer else schedule.num_streams))
+        sizes = [0] * self.num_slots
         for b in self.plan.buckets:
-            if not b.oversize and (b.source_rank == group.rank or not group.is_trainer
-                                   or not schedule.concurrent):
+            if not b.oversize and self.carries(b):
                 sizes[self.slot_of[b.index]] = max(sizes[self.slot_of[b.index]], b.nbytes)
         self.buffers = [host_bytes(self.payload_start + size, group.device, pinned)
                         for size in sizes]
@@ -63,9 +62,19 @@ class Endpoint:
         self.layouts = {
             b.index: BucketLayout(self.bucket_buffer(b)[self.payload_start :],
                                   self.plan.bucket_specs(b), b.offsets)
-            for b in self.plan.buckets if not b.oversize and (
-                b.source_rank == group.rank or not group.is_trainer or not schedule.concurrent)
+            for b in self.plan.buckets if not b.oversize and self.carries(b)
         }
+
+    @property
+    def num_slots(self) -> int:
+        """Buffers of each kind this rank keeps: `num_buffers`, a receiver's per stream."""
+        return self.num_buffers * (1 if self.group.is_trainer else self.schedule.num_streams)
+
+    def carries(self, bucket: Bucket) -> bool:
+        """Whether this rank's buffers ever hold `bucket` (with concurrent sources a trainer
+        holds only the buckets it sources)."""
+        return (not self.group.is_trainer or not self.schedule.concurrent
+                or bucket.source_rank == self.group.rank)
 
     def agree_on_needs(self, needs: Needs | None, what: str) -> None:
         """The refit's first exchange (`Sharding.agree`); after a re-plan, the compact sets'
@@ -74,11 +83,10 @@ class Endpoint:
         if self.sharding.replans == self._replans:
             return
         self._replans, self.compact, shard = self.sharding.replans, {}, self.sharding.shard
-        slots = self.num_buffers * (1 if self.group.is_trainer else self.schedule.num_streams)
         for index in self.sharding.set_indices() if shard is not None else ():
             if not shard.sets[index].full:
                 self.compact[index] = CompactBuffers(self.group.device, self.payload_start,
-                                                     shard.frame_bytes(index), slots,
+                                                     shard.frame_bytes(index), self.num_slots,
                                                      self.pinned)
 
     def header(self, bucket: Bucket, version: int, error: BaseException | None,
