@@ -66,8 +66,10 @@ def group_of(rank: int, world: int, port: int, timeout_s: float = 60) -> RefitGr
                       num_trainers=TRAINERS, timeout_s=timeout_s)
 
 
-def checking_receive(receiver: RefitReceiver, version: int, seen: list) -> object:
-    """One refit whose every whole bucket and compact frame is checked against `weights`."""
+def checking_receive(receiver: RefitReceiver, version: int, seen: list,
+                     verify: bool = False) -> object:
+    """One refit whose every whole bucket and compact frame is checked against `weights`
+    (`verify`: the trainers resend the version the receiver holds, checked against it)."""
     want, plan = weights(version), receiver.plan
 
     def whole(items: list) -> None:
@@ -83,7 +85,7 @@ def checking_receive(receiver: RefitReceiver, version: int, seen: list) -> objec
                                         strict=True):
             assert (got[place : place + length] == image[start : start + length]).all()
 
-    return receiver.receive(whole, on_compact=compact, version=version)
+    return receiver.receive(whole, on_compact=compact, version=version, verify=verify)
 
 
 def record_issue_order(group: RefitGroup) -> list[tuple]:
@@ -116,6 +118,12 @@ def streams_rank(rank: int, world: int, port: int, config: RefitConfig) -> dict:
                             "imbalance": stats.source_imbalance,
                             "receivers": {r: t["delta_frames"] for r, t in
                                           stats.receivers.items()}}
+        sender.refit(QuarterSources(weights(3)), 3)  # verified: lands
+        try:  # refit 2's weights resent as 3: the verification fails on every rank
+            sender.refit(QuarterSources(weights(2)), 3)
+            out["bad_verify"] = None
+        except RefitError as e:
+            out["bad_verify"] = str(e)
         mine = [b.nbytes for b in sender.plan.buckets if b.source_rank == rank]
         out["mine"], out["frames"], out["issued"] = sum(mine), len(mine), issued
         return out
@@ -128,6 +136,12 @@ def streams_rank(rank: int, world: int, port: int, config: RefitConfig) -> dict:
         stats = checking_receive(receiver, version, seen)
         out[version] = {"frames": len(seen), "in_plan_order": seen == sorted(seen),
                         "need_set": stats.need_set}
+    out["verify"] = checking_receive(receiver, 3, [], verify=True).version
+    try:
+        checking_receive(receiver, 3, [], verify=True)
+        out["bad_verify"] = None
+    except RefitError as e:
+        out["bad_verify"] = str(e)
     out["issued"] = issued
     return out
 
@@ -161,6 +175,10 @@ def test_concurrent_streams_bit_for_bit(delta: bool) -> None:
         assert res[r][1]["frames"] == len(plan.buckets)
         assert res[r][1]["need_set"] == -1
     assert res[TRAINERS][3]["need_set"] != res[TRAINERS + 1][3]["need_set"]
+    for rank, out in res.items():  # verify: v3 resent lands; v2's bytes sent as v3 do not
+        assert out["bad_verify"] and "differs from the bytes this worker holds" in \
+            out["bad_verify"], (rank, out["bad_verify"])
+        assert rank < TRAINERS or out["verify"] == 3
     if delta:  # refit 3 goes as deltas on refit 2's bases
         assert all(n > 0 for n in res[0][3]["receivers"].values()), res[0][3]
     # the order rule: no two ranks issue any two of their common operations in opposite orders
