@@ -43,8 +43,11 @@ def megatron_logits(layout: Layout, chunks: list[torch.nn.Module],
 
 
 def refit_job(rank: int, world: int, layout: Layout, seed: int,
-              dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Everything the parent checks: specs, this rank's yielded tensors, Megatron logits."""
+              dtype: torch.dtype = torch.float32, sources: str = "spread") -> dict[str, Any]:
+    """Everything the parent checks: specs, this rank's yielded tensors, Megatron logits, and
+    where the rank sits (`where`: stage, EP rank, expert-data-parallel rank)."""
+    from megatron.core import parallel_state as ps
+
     from common.plan import RefitPlan
     from common.source import WeightSource
     from mcore_refit import DtypePolicy, MegatronWeightSource, converter_for
@@ -58,7 +61,7 @@ def refit_job(rank: int, world: int, layout: Layout, seed: int,
     if layout.wrap:
         chunks = wrap_chunks(layout, chunks)
     source = MegatronWeightSource(chunks, converter_for(layout.model_type),
-                                  vocab_size=VOCAB, policy=DtypePolicy(dtype))
+                                  vocab_size=VOCAB, policy=DtypePolicy(dtype), sources=sources)
     assert isinstance(source, WeightSource)
     specs = source.plan_specs()
     plan = RefitPlan.build(specs)
@@ -72,8 +75,10 @@ def refit_job(rank: int, world: int, layout: Layout, seed: int,
         assert tuple(tensor.shape) == spec.shape, (name, tensor.shape, spec.shape)
         assert tensor.dtype == spec.dtype, (name, tensor.dtype, spec.dtype)
         mine[name] = tensor.detach().clone()
+    where = (ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
+             ps.get_expert_data_parallel_rank())
     return {"specs": [s.to_json() for s in specs], "tensors": mine,
-            "logits": logits if rank == 0 else None, "ids": ids}
+            "logits": logits if rank == 0 else None, "ids": ids, "where": where}
 
 
 def to_grouped_layout(chunks: list[torch.nn.Module]) -> None:
