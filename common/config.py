@@ -31,6 +31,7 @@ _ENV = {
     "interleave": ("REFIT_INTERLEAVE", boolean),
     "graph_send": ("REFIT_GRAPH_SEND", boolean),
     "concurrent_sources": ("REFIT_CONCURRENT_SOURCES", boolean),
+    "receive_buffers": ("REFIT_RECEIVE_BUFFERS", int),
 }
 SHADOW_PLACES = ("device", "host")
 # Settings each trainer keeps for itself: not in the plan that rank 0 sends at setup.
@@ -93,10 +94,13 @@ class RefitConfig:
         trainer; the receivers need nothing.
     concurrent_sources: where the plan has two or more source ranks, each source's buckets
         form its own stream, sent over communicators that hold only that source and the
-        workers that receive them, all sources at once (`common.transfer.schedule`); each
-        receiver then keeps `num_buffers` buffers per source it receives from. False
+        workers that receive them, all sources at once (`common.transfer.schedule`). False
         (`REFIT_CONCURRENT_SOURCES=0`): one ordered stream, every trainer in every frame's
         group. Travels in the plan (both sides must run the same protocol), outside its digest.
+    receive_buffers: with concurrent sources, the buffers each engine worker keeps (frames in
+        flight into it at once, from any source): `num_buffers` per source up to this many
+        (never fewer than `num_buffers`). Each is a bucket's size: it bounds a worker's
+        memory however many sources there are. Travels in the plan, outside its digest.
     """
 
     bucket_bytes: int = 256 << 20
@@ -112,12 +116,14 @@ class RefitConfig:
     interleave: bool = False
     graph_send: bool = True
     concurrent_sources: bool = True
+    receive_buffers: int = 8
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> RefitConfigError:
             return RefitConfigError(f"RefitConfig.{field}={getattr(self, field)!r}: {why}")
 
-        for field in ("bucket_bytes", "num_buffers", "alignment", "direct_bytes", "undo_bytes"):
+        for field in ("bucket_bytes", "num_buffers", "alignment", "direct_bytes", "undo_bytes",
+                      "receive_buffers"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(field, "must be an int")
@@ -133,6 +139,8 @@ class RefitConfig:
             raise bad("num_buffers", "must be >= 1")
         if self.num_buffers > 16:
             raise bad("num_buffers", "more than 16 buffers only costs memory")
+        if not 1 <= self.receive_buffers <= 64:
+            raise bad("receive_buffers", "must be between 1 and 64")
         if self.alignment < 1 or self.alignment & (self.alignment - 1) or self.alignment > 4096:
             raise bad("alignment", "must be a power of two between 1 and 4096")
         for field in ("checksum", "shard_to_shard", "delta", "interleave", "graph_send",

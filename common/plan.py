@@ -262,7 +262,8 @@ class RefitPlan:
         return {**self._body(), "timeout_s": self.config.timeout_s,
                 "checksum": self.config.checksum, "shard_to_shard": self.config.shard_to_shard,
                 "delta": self.config.delta, "undo_bytes": self.config.undo_bytes,
-                "concurrent_sources": self.config.concurrent_sources, "digest": self.digest}
+                "concurrent_sources": self.config.concurrent_sources,
+                "receive_buffers": self.config.receive_buffers, "digest": self.digest}
 
     @classmethod
     def from_dict(cls, data: dict) -> RefitPlan:
@@ -279,6 +280,7 @@ class RefitPlan:
             delta=data["delta"],
             undo_bytes=data["undo_bytes"],
             concurrent_sources=data.get("concurrent_sources", False),
+            receive_buffers=data.get("receive_buffers", data["num_buffers"]),
         )
         plan = cls(tuple(TensorSpec.from_json(s) for s in data["specs"]), config)
         if "digest" in data and data["digest"] != plan.digest:

@@ -95,7 +95,6 @@ def test_interleaved_plan_takes_each_sources_buckets_in_turn(items, bucket_bytes
         waiting = {b.source_rank for b in turned.buckets[i:]}
         assert sent[bucket.source_rank] == min(sent[r] for r in waiting), (i, sent)
         sent[bucket.source_rank] += bucket.nbytes
-    assert RefitPlan.build(turned.specs, turned.config).specs == turned.specs  # idempotent
 
 
 def test_digest_is_stable_across_processes() -> None:

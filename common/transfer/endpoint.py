@@ -39,8 +39,8 @@ class Endpoint:
         self._replans = 0
 
     def make_buffers(self, pinned: bool = False) -> None:
-        """The bucket buffers (`num_buffers`; a receiver with concurrent sources that many per
-        stream, each as large as its stream's largest bucket) and each bucket's views of them;
+        """The bucket buffers (`num_slots`, each as large as the largest bucket it holds) and
+        each bucket's views of them;
         `pinned`: page-locked host memory (a host group staging onto a GPU: its copies there
         then run asynchronously)."""
         self.pinned, group, schedule = pinned, self.group, self.schedule
@@ -67,8 +67,9 @@ class Endpoint:
 
     @property
     def num_slots(self) -> int:
-        """Buffers of each kind this rank keeps: `num_buffers`, a receiver's per stream."""
-        return self.num_buffers * (1 if self.group.is_trainer else self.schedule.num_streams)
+        """Buffers of each kind this rank keeps: a trainer `num_buffers`, a receiver
+        `Schedule.receive_slots`."""
+        return self.num_buffers if self.group.is_trainer else self.schedule.receive_slots
 
     def carries(self, bucket: Bucket) -> bool:
         """Whether this rank's buffers ever hold `bucket` (with concurrent sources a trainer

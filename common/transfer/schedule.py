@@ -5,9 +5,11 @@ Made once per plan, from the plan alone, identically on every rank. With concurr
 buckets form that source's own stream, sent over communicators that hold only the source and
 the workers that receive the frame (`common.shard.replan` builds them); no trainer takes part in
 a frame another trainer sources, so the sources gather, pack and send at the same time, each
-through its own `num_buffers` rotating buffers. A receiver keeps `num_buffers` buffers per
-stream, posts its receives up to that many frames ahead in each stream and applies a frame as
-soon as it has arrived, whichever stream it came from (`common.transfer.streams`).
+through its own `num_buffers` rotating buffers. A receiver keeps `receive_slots` buffers
+(`num_buffers` per stream, at most `RefitConfig.receive_buffers`: a worker's memory stays
+bounded however many sources there are), posts its receives in plan order up to that many
+frames ahead, from any streams, and applies a frame as soon as it has arrived, whichever stream
+it came from (`common.transfer.streams`).
 
 Order rule: every rank issues everything it waits on in plan order. A source gathers (its
 weight source's collectives over the training group, which every trainer runs in plan order)
@@ -45,6 +47,7 @@ class Schedule:
 
     concurrent: bool
     num_buffers: int
+    receive_buffers: int  # `RefitConfig.receive_buffers`
     sources: tuple[int, ...]  # source ranks, in stream order
     stream: tuple[int, ...]  # bucket index -> its stream (index into `sources`)
     position: tuple[int, ...]  # bucket index -> its place in its stream
@@ -65,8 +68,8 @@ class Schedule:
             position.append(counts[i])
             counts[i] += 1
             loads[bucket.source_rank] += bucket.nbytes
-        return cls(concurrent, plan.config.num_buffers, sources, tuple(stream),
-                   tuple(position), loads)
+        return cls(concurrent, plan.config.num_buffers, plan.config.receive_buffers, sources,
+                   tuple(stream), tuple(position), loads)
 
     @property
     def num_streams(self) -> int:
@@ -78,17 +81,19 @@ class Schedule:
             return bucket.index % self.num_buffers
         return self.position[bucket.index] % self.num_buffers
 
-    def receiver_slot(self, bucket: Bucket) -> int:
-        """The slot of a receiver's buffers (`num_buffers` per stream) a whole bucket lands in."""
+    @property
+    def receive_slots(self) -> int:
+        """A receiver's buffers of each kind: `num_buffers` per stream, at most
+        `RefitConfig.receive_buffers` (never fewer than `num_buffers`)."""
         if not self.concurrent:
-            return bucket.index % self.num_buffers
-        return self.stream[bucket.index] * self.num_buffers + \
-            self.position[bucket.index] % self.num_buffers
+            return self.num_buffers
+        return max(self.num_buffers, min(self.receive_buffers,
+                                         self.num_buffers * len(self.sources)))
 
-    def stream_slots(self, stream: int) -> range:
-        """A receiver's slots of `stream`."""
-        n = self.num_buffers
-        return range(stream * n, stream * n + n) if self.concurrent else range(n)
+    def receiver_slot(self, bucket: Bucket) -> int:
+        """The receive buffer a whole bucket lands in (the k-th frame of a receiver that takes
+        every bucket: slot k modulo `receive_slots`)."""
+        return bucket.index % self.receive_slots
 
     def source_imbalance(self) -> float:
         """The busiest source's bytes over the mean source's."""

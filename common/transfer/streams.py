@@ -3,10 +3,11 @@
 Frames are posted in plan order (`common.transfer.schedule`, whose docstring has the order
 rule), each once every frame before it is posted and its slot is free again, and handed to the
 loader as soon as it has arrived, whichever stream it came from: loaders see arrival order. A
-slot: a whole bucket's fixed buffer (`Endpoint.slot_of`), or for a compact
-frame its stream's next of `num_buffers` compact buffers. At most one oversize tensor (received
-into a tensor of its own) is in flight beyond the buffers. With one ordered stream the same loop
-keeps up to `num_buffers` frames in flight and applies them in plan order.
+slot: a whole bucket's fixed buffer (`Endpoint.slot_of`), or for the k-th compact frame its
+set's compact buffer k modulo their number; so at most `Endpoint.num_slots` frames are in
+flight, and at most one oversize tensor (received into a tensor of its own) beyond them. With
+one ordered stream the same loop keeps up to `num_buffers` frames in flight and applies them in
+plan order.
 """
 
 from __future__ import annotations
@@ -27,15 +28,9 @@ class StreamReceive:
 
     def __init__(self, rx, frames: list[tuple[Bucket, Route]], stats: RefitStats) -> None:
         self.rx, self.stats = rx, stats
-        schedule, n = rx.schedule, rx.num_buffers
         self.frames = frames  # in plan order
-        counts: dict[int, int] = {}
-        self.slots = []
-        for bucket, route in self.frames:
-            stream = schedule.stream[bucket.index] if schedule.concurrent else 0
-            counts[stream] = counts.get(stream, -1) + 1
-            self.slots.append(rx.slot_of[bucket.index] if route.gather is None
-                              else stream * n + counts[stream] % n)
+        self.slots = [rx.slot_of[bucket.index] if route.gather is None else k % rx.num_slots
+                      for k, (bucket, route) in enumerate(frames)]
 
     def run(self, check: Callable, hand_over: Callable) -> BaseException | None:
         """Receive every frame; `check(bucket, route, header, error, first)` -> the refit's
