@@ -1,15 +1,16 @@
 """How long will a refit take: a cost model calibrated on the measured stages in bench/results/.
 
     python bench/cost_model.py --model DeepSeek-V3 --trainer tp=2,pp=16,ep=8,dp=4 \\
-        --engine tp=8,ep=32,dp=2 [--gpu h100] [--mode full|delta|shard] [--fp8]
+        --engine tp=8,ep=32,dp=2 [--gpu h100] [--mode full|delta|shard] [--fp8] [--concurrent]
     python bench/cost_model.py --check           # held-out runs: predicted vs measured
     python bench/cost_model.py --write-readme    # the "At scale" tables, docs/at-scale.md
 
 The arithmetic is in `cost_model_core.py` (buckets, the critical path with N buffers), the
 constants in `cost_model_inputs.py` (measured ones read from bench/results/ at run time, each
 with its file and stamp; links; assumed ranges), the check in `cost_model_check.py` (frames
-by graph replay: `cost_model_graph.py`), the at-scale model in `cost_model_scale.py`, the docs
-tables in `cost_model_readme.py`.
+by graph replay: `cost_model_graph.py`), the at-scale model in `cost_model_scale.py` (one
+ordered stream, or with `--concurrent` every source rank's buckets a stream of its own, all at
+once), the docs tables in `cost_model_readme.py`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--bucket-mib", type=int, default=256)
     ap.add_argument("--interleave", action="store_true",
                     help="buckets in turn by sender (a plan built so), not in plan order")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="concurrent sources: each source rank's buckets its own stream, on "
+                         "its own communicator, all at once")
     ap.add_argument("--check", action="store_true", help="predict the held-out runs")
     ap.add_argument("--write-readme", action="store_true",
                     help="rewrite the At scale tables in docs/at-scale.md")
@@ -86,7 +90,7 @@ def answer(a: argparse.Namespace) -> dict:
         raise LayoutError("--model is required (or --check / --write-readme)")
     links = Links(a.nvlink_gbps, a.nics, a.nic_gbit, a.gpu)
     opts = Options(a.mode, a.density, 1 if a.fp8 else 2, a.buffers, a.bucket_mib << 20,
-                   a.interleave)
+                   a.interleave, a.concurrent)
     out = predict(a.model, parse_layout(Trainer, a.trainer), parse_layout(Engine, a.engine),
                   links, opts)
     out["constants"] = {f.name: f"{f.expected:.4g} {f.unit} ({f.source}, {f.stamp})"

@@ -13,10 +13,17 @@ sender's previous broadcast ended; the device costs then carry the replay's own 
 launch). The
 wire carries the buckets one collective at a time over the group; a receiver holds `buffers`
 buckets, so the wire waits for the apply of the bucket `buffers` back.
+
+Concurrent sources (`concurrent`): every source's buckets form a stream of its own, timed by
+`simulate` alone (its own buffers, its own wire); the streams share the nodes' links, each
+given as the seconds its busiest link needs for all the bytes crossing it; the refit ends with
+the slowest of the two. `place_stage` gives a Megatron stage's candidate sources, `spread`
+places tensors over them by bytes, `imbalance` says how well.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -44,6 +51,7 @@ class StageCosts:
 class Timeline:
     seconds: float
     totals: dict[str, float] = field(default_factory=dict)  # the critical path, by stage
+    detail: dict[str, float] = field(default_factory=dict)  # concurrent: the slowest stream's
 
     @property
     def bound(self) -> str:
@@ -138,3 +146,55 @@ def simulate(buckets: list[Bucket], costs: StageCosts, buffers: int,
     if applied:
         totals["apply"] += applied[-1] - wire_end
     return Timeline(applied[-1] if applied else 0.0, totals)
+
+
+def concurrent(streams: list[tuple[list[Bucket], StageCosts]], shared: dict[str, float],
+               buffers: int) -> Timeline:
+    """Streams that run at once, each through its own `buffers` (`simulate`), and the links
+    they share (`shared`: stage -> seconds its busiest link needs for all its bytes) -> the
+    refit's end, the slowest of the slowest stream ("source") and the shared stages. `totals`
+    holds each of them (bounds, not a split of one path); `detail` the slowest stream's split.
+    Where two are near equal the end is later than their max: the shared links are taken to
+    run at their full rate while the streams' bursts interleave."""
+    runs = [simulate(b, c, buffers) for b, c in streams]
+    slowest = max(runs, key=lambda r: r.seconds, default=Timeline(0.0))
+    totals = {"source": slowest.seconds, **shared}
+    return Timeline(max(totals.values()), totals, dict(slowest.totals))
+
+
+def spread(loads: dict[int, float], items: list[tuple[float, Sequence[int]]]) -> list[int]:
+    """Items (size, the ranks that may send it) placed largest first, each on its candidate
+    with the least load so far (ties: the lower rank), as `common.plan.balance_sources` does;
+    `loads` (what each rank sends already) grows -> each item's rank, in the items' order."""
+    out = [0] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: -items[i][0]):
+        size, ranks = items[i]
+        out[i] = min(sorted(ranks), key=lambda r: loads.get(r, 0))
+        loads[out[i]] = loads.get(out[i], 0) + size
+    return out
+
+
+def place_stage(tp: int, dp: int, ep: int, etp: int,
+                experts: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One Megatron pipeline stage's candidate sources as `mcore_refit/placement.py` places
+    them (`sources="spread"`), in ranks local to the stage (TP groups: runs of `tp`; the
+    expert grid: ETP, then EP, then EDP) -> (the owner of each EP rank, which sends its
+    experts: expert-TP rank 0 of its ETP group in EDP replica 0; the ranks that may send a
+    dense tensor: every rank of the stage, its DP / EP replicas holding it alike). On this grid
+    every EP rank has exactly one owner, so the library's fallback (the whole stage from its
+    first rank) never applies. Sources may share gathers: `gather_group`."""
+    return tuple(etp * e for e in range(ep)) if experts else (), tuple(range(tp * dp))
+
+
+def gather_group(rank: int, size: int) -> range:
+    """The ranks that run the all-gather of a tensor `rank` sends, split `size` ways: a dense
+    tensor's over the sender's TP group, an expert's over its owner's ETP group (runs of
+    `size` ranks, in a stage whose first rank is a multiple of `size`)."""
+    first = rank // size * size
+    return range(first, first + size)
+
+
+def imbalance(values: Sequence[float]) -> float:
+    """The largest over the mean (1.0: all equal, or none)."""
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean else 1.0

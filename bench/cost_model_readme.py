@@ -9,7 +9,16 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from cost_model_scale import Engine, LayoutError, Links, Options, Trainer, figures, predict
+from cost_model_scale import (
+    Engine,
+    LayoutError,
+    Links,
+    Options,
+    Trainer,
+    concurrency,
+    figures,
+    predict,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 # the pages that hold <!-- cost_model:NAME --> blocks; each block is rendered where it is
@@ -28,6 +37,12 @@ TOPOLOGIES = {
 }
 OPTIONS = {"full": Options(), "delta 3%": Options(mode="delta"),
            "shard-to-shard": Options(mode="shard"), "fp8 wire": Options(wire_bytes=1)}
+# concurrent sources: also each engine GPU's own slices in fp8 (Perplexity's Kimi-K2 case);
+# and DeepSeek-V3 with expert-TP = TP (Megatron's default): half as many owners, each with an
+# expert-TP peer that runs its experts' gathers and sends dense tensors
+CONCURRENT = {**OPTIONS, "shard-to-shard fp8": Options(mode="shard", wire_bytes=1)}
+CONCURRENT_TOPOLOGIES = {**TOPOLOGIES, "V3: 128 -> 64, ETP2": (
+    "DeepSeek-V3", Trainer(tp=2, pp=16, ep=4, etp=2, dp=4), Engine(tp=8, ep=32, dp=2))}
 # published figures: (who, what, seconds, hardware as stated, topology, links)
 PEERS = [
     ("NeMo-RL (seed)", "Qwen3-30B-A3B, BF16", "1.5", "DGX H100", "30B: 16 -> 16", H100),
@@ -45,22 +60,25 @@ PEERS = [
 
 
 def _layout(t: Trainer, e: Engine) -> str:
-    return (f"trainer TP{t.tp} PP{t.pp} EP{t.ep} DP{t.dp}; engines TP{e.tp} EP{e.ep} x "
+    etp = f" ETP{t.etp}" if t.etp > 1 else ""
+    return (f"trainer TP{t.tp} PP{t.pp} EP{t.ep}{etp} DP{t.dp}; engines TP{e.tp} EP{e.ep} x "
             f"{e.dp}")
 
 
-def _cells(model: str, t: Trainer, e: Engine, links: Links, interleave: bool = False) -> list[str]:
+def _cells(model: str, t: Trainer, e: Engine, links: Links, options: dict[str, Options],
+           **flags: bool) -> list[str]:
     try:
-        return [_range(predict(model, t, e, links, replace(o, interleave=interleave)))
-                for o in OPTIONS.values()]
+        return [_range(predict(model, t, e, links, replace(o, **flags)))
+                for o in options.values()]
     except LayoutError as err:  # e.g. bf16 weights that do not fit the engine's GPUs
-        return [f"does not fit: {err}"] + ["-"] * (len(OPTIONS) - 1)
+        return [f"does not fit: {err}"] + ["-"] * (len(options) - 1)
 
 
 def scale_cells(topology: str, links: Links, interleave: bool = False) -> dict[str, str]:
     """One `TOPOLOGIES` case on `links`: option -> "best / expected / worst (bound)" seconds
     (`interleave`: the buckets in turn by sender, `cost_model_core.interleave`)."""
-    return dict(zip(OPTIONS, _cells(*TOPOLOGIES[topology], links, interleave), strict=True))
+    return dict(zip(OPTIONS, _cells(*TOPOLOGIES[topology], links, OPTIONS,
+                                    interleave=interleave), strict=True))
 
 
 def _range(p: dict) -> str:
@@ -68,15 +86,35 @@ def _range(p: dict) -> str:
     return f"{s['best']:.2f} / {s['expected']:.2f} / {s['worst']:.2f} ({p['bound']})"
 
 
-def scale_table(interleave: bool = False) -> str:
-    rows = []
-    for name, (model, t, e) in TOPOLOGIES.items():
-        for links in (H100, H200):
-            cells = scale_cells(name, links, interleave).values()
-            rows.append(f"| {model} | {name} {links.gpu.upper()} | {_layout(t, e)} | "
-                        + " | ".join(cells) + " |")
-    head = ["model", "GPUs (trainer -> engines)", "layout", *OPTIONS]
+def _table(columns: list[str], cells, topologies: dict = TOPOLOGIES) -> str:
+    """A row per case of `topologies` and GPU: its model, GPUs, layout, then `cells(model,
+    trainer, engine, links)` under `columns`."""
+    rows = [f"| {model} | {name} {links.gpu.upper()} | {_layout(t, e)} | "
+            + " | ".join(cells(model, t, e, links)) + " |"
+            for name, (model, t, e) in topologies.items() for links in (H100, H200)]
+    return _markdown(["model", "GPUs (trainer -> engines)", "layout", *columns], rows)
+
+
+def _markdown(head: list[str], rows: list[str]) -> str:
     return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), *rows])
+
+
+def scale_table(interleave: bool = False) -> str:
+    return _table(list(OPTIONS), lambda *case: _cells(*case, OPTIONS, interleave=interleave))
+
+
+def concurrent_table() -> str:
+    """Concurrent sources (`cost_model_scale.concurrent_timeline`), then how many sources and
+    their imbalance: the busiest source's bytes over the mean, and the busiest engine GPU's."""
+    def cells(model: str, t: Trainer, e: Engine, links: Links) -> list[str]:
+        out = _cells(model, t, e, links, CONCURRENT, concurrent=True)
+        if out[-1] == "-":  # does not fit
+            return [*out, "-"]
+        c = concurrency(model, t, e)
+        i = c["imbalance"]
+        return [*out, f"{c['sources']} ({i['source_bytes']:.2f} / {i['engine_worker_bytes']:.2f})"]
+    return _table([*CONCURRENT, "sources (imbalance: source / engine GPU)"], cells,
+                  CONCURRENT_TOPOLOGIES)
 
 
 def peers_table() -> str:
@@ -85,20 +123,21 @@ def peers_table() -> str:
         cells = scale_cells(topo, links).values()
         rows.append(f"| {who} | {what} | {secs} | {hw} | {topo} {links.gpu.upper()} | "
                     + " | ".join(cells) + " |")
-    head = ["peer", "model", "their s", "their hardware", "modelled as", *OPTIONS]
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), *rows])
+    return _markdown(["peer", "model", "their s", "their hardware", "modelled as", *OPTIONS],
+                     rows)
 
 
 def constants_table() -> str:
     rows = [f"| `{f.name}` | {f.best:.4g} / {f.expected:.4g} / {f.worst:.4g} {f.unit} | "
             f"{'measured' if f.measured else 'assumed'} | {f.source} | {f.stamp} | {f.note} |"
             for f in figures().values()]
-    head = ["constant", "best / expected / worst", "kind", "source", "stamp", "what"]
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), *rows])
+    return _markdown(["constant", "best / expected / worst", "kind", "source", "stamp", "what"],
+                     rows)
 
 
 TABLES = {"scale": scale_table, "scale_interleaved": lambda: scale_table(interleave=True),
-          "peers": peers_table, "constants": constants_table}
+          "scale_concurrent": concurrent_table, "peers": peers_table,
+          "constants": constants_table}
 
 
 BLOCK = re.compile(r"(<!-- cost_model:(\w+) -->\n)(?:(?!<!--).)*(<!-- /cost_model -->)", re.S)

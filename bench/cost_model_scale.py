@@ -1,26 +1,46 @@
 """The cost model at scale: a published model's tensors, a trainer and an engine layout, the
 links, the options -> each bucket's stage costs -> the refit's time (`cost_model_core`), as a
-range (best / expected / worst) over the measured lends and the assumed figures."""
+range (best / expected / worst) over the measured lends and the assumed figures. In one ordered
+stream (`timeline`: every bucket one collective over every trainer and engine worker) or by
+concurrent sources (`concurrent_timeline`: each source rank's buckets its own stream)."""
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import statistics
-from dataclasses import dataclass
+from dataclasses import replace
 from functools import cache
 
 from cost_model_check import machine
-from cost_model_core import Bucket, StageCosts, Timeline, cut, interleave, simulate
+from cost_model_core import (
+    Bucket,
+    StageCosts,
+    Timeline,
+    concurrent,
+    cut,
+    gather_group,
+    imbalance,
+    interleave,
+    place_stage,
+    simulate,
+    spread,
+)
 from cost_model_inputs import (
+    LEND_SPREAD,
     MEMORY_GB,
-    NIC_NDR,
-    NICS_DGX,
-    NVLINK_H100,
+    Engine,
     Figure,
+    Links,
+    Options,
+    Trainer,
     assumed_at_scale,
+    cuda_engine_figures,
+    host_range,
     load,
     measured,
+    quantize_figure,
     same,
 )
 from model_shapes import CONFIGS, experts_of, shapes_of
@@ -31,61 +51,6 @@ CASES = ("best", "expected", "worst")
 class LayoutError(ValueError):
     """A case the model cannot answer: an unknown model, a layout that does not divide it,
     missing links."""
-
-
-@dataclass(frozen=True)
-class Trainer:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int = 1
-    dp: int = 1
-    gpus_per_node: int = 8
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
-
-
-@dataclass(frozen=True)
-class Engine:
-    tp: int = 1
-    ep: int = 1
-    dp: int = 1  # engine replicas
-    gpus_per_node: int = 8
-
-    @property
-    def gpus_each(self) -> int:
-        return max(self.tp, self.ep)
-
-
-@dataclass(frozen=True)
-class Links:
-    nvlink_GBps: float = NVLINK_H100.expected
-    nics_per_node: int = NICS_DGX
-    nic_Gbps: float = NIC_NDR.expected
-    gpu: str = "h100"
-
-
-@dataclass(frozen=True)
-class Options:
-    mode: str = "full"  # full | delta | shard
-    density: float = 0.03  # delta: the fraction of 2-byte words changed
-    wire_bytes: int = 2  # per element on the wire: 2 (bf16) or 1 (fp8)
-    buffers: int = 2
-    bucket_bytes: int = 256 << 20
-    interleave: bool = False  # buckets in turn by sender, not in plan order (`interleave`)
-
-
-FP8_RUN = "fp8_h100_run14b"  # the quantize kernel of 4851373; the slowest of its lend's three runs
-# The host's pace between lends: 2.2x per tensor between the calibration lend and another
-# lend's sweep (issue 37: one H200, same code). Best and expected are the lends measured here.
-LEND_SPREAD = 2.2
-
-
-def host_range(values: list[float]) -> tuple[float, float, float]:
-    mean = statistics.mean(values)
-    return min(values), mean, mean * LEND_SPREAD
 
 
 @cache
@@ -131,37 +96,6 @@ def figures() -> dict[str, Figure]:
     return out | assumed_at_scale()
 
 
-def quantize_figure() -> Figure:
-    """The FP8 quantize's cost on the sender: an FP8 refit's time less the bf16 refit's of the
-    same list (its pack), in copies of the list's bf16 bytes; none below zero."""
-    runs = [v for v in load(FP8_RUN).values() if isinstance(v, dict) and "fp8_refit_s" in v]
-    extra = [max(0.0, (r["fp8_refit_s"] - r["bf16_refit_s"]) / r["copy_s"]) for r in runs]
-    return measured("quantize_over_copy", FP8_RUN, (min(extra), max(extra),
-                                                    max(extra) * LEND_SPREAD), "x one copy",
-                    "an FP8 refit less the bf16 refit of the same list, one GPU "
-                    f"(best / expected: the two lists; worst: {LEND_SPREAD}x)")
-
-
-CUDA_ENGINE_RUN = "cuda_engine_h100_run3"  # the newest `bench/cuda_engine_bench.py` run
-
-
-def cuda_engine_figures() -> tuple[Figure, Figure]:
-    """A CUDA vLLM engine's apply (learned map) and pause, measured on one GPU: the apply over
-    one device copy in that run, times the scatter kernel's rate over a copy's (the H200's)."""
-    ce = load(CUDA_ENGINE_RUN)
-    scatter_over_copy = load("receiver_scatter_h200")["scatter"]["scatter_over_one_copy"]
-    over = {n: ce[n]["apply_over_copy"] * scatter_over_copy for n in ("dense", "moe")}
-    pause = max(max(ce[n]["pause_resume_s"].values()) for n in ("dense", "moe"))
-    return (measured("apply_over_scatter", CUDA_ENGINE_RUN,
-                     (over["dense"], over["moe"], over["moe"]), "x the scatter kernel",
-                     "a CUDA vLLM engine's learned-map apply (copies, vLLM's layer and post-load "
-                     "processing), vLLM 0.26: best the Qwen3-8B-shaped layers, expected and "
-                     "worst the 20,000-tensor MoE"),
-            measured("pause_s", CUDA_ENGINE_RUN, (pause, pause, 0.3), "s",
-                     "an idle CUDA engine's pause + resume (keep and abort, the slower); "
-                     "worst 0.3 s assumed: a pause that waits for an engine step in flight"))
-
-
 def wire_fraction(density: float) -> float:
     """A delta's bytes over the full bytes: the 1-bit-per-2-byte-word mask + changed words."""
     return 1 / 16 + density
@@ -184,10 +118,15 @@ def _check(model: str, t: Trainer, e: Engine, links: Links, o: Options) -> None:
         raise LayoutError("zero links: NVLink, NICs per node and NIC speed must be > 0")
     if o.mode not in ("full", "delta", "shard") or o.wire_bytes not in (1, 2) or o.buffers < 1:
         raise LayoutError(f"options: mode full|delta|shard, wire bytes 1|2, buffers >= 1: {o}")
-    need = sum(math.prod(s) for _, s in shapes_of(c)) * o.wire_bytes / e.gpus_each / 1e9
+    need = _elements(model) * o.wire_bytes / e.gpus_each / 1e9
     if need > 0.9 * MEMORY_GB[links.gpu]:
         raise LayoutError(f"{model} needs {need:.0f} GB per engine GPU: more than "
                           f"{links.gpu}'s {MEMORY_GB[links.gpu]} GB; raise engine tp / ep")
+
+
+@cache
+def _elements(model: str) -> int:
+    return sum(math.prod(s) for _, s in shapes_of(CONFIGS[model]))
 
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -200,20 +139,96 @@ def buckets(model: str, t: Trainer, bucket_bytes: int,
     return tuple(interleave(cuts) if interleaved else cuts)
 
 
+@cache
+def _placed(model: str, pp: int) -> tuple[tuple[int, int | None, int], ...]:
+    """(pipeline stage, routed expert index or None, bf16 bytes) per tensor in plan order: a
+    layer's tensors in its stage, the embedding in the first, the rest in the last."""
+    c, out = CONFIGS[model], []
+    for name, shape in shapes_of(c):
+        m = _LAYER.search(name)
+        stage = int(m.group(1)) * pp // c.layers if m else (0 if "embed" in name else pp - 1)
+        ex = re.search(r"\.experts\.(\d+)\.", name)
+        size = 4 if name.endswith("e_score_correction_bias") else 2
+        out.append((stage, int(ex.group(1)) if ex else None, size * math.prod(shape)))
+    return tuple(out)
+
+
 def owners(model: str, t: Trainer) -> list[tuple[int, int, bool]]:
     """(sender, bf16 bytes, is_expert) per tensor in plan order: a layer's tensors come from
     the first rank of its pipeline stage, its experts from their EP owners."""
-    c = CONFIGS[model]
-    experts, out = experts_of(c) or 1, []
-    for name, shape in shapes_of(c):
-        m = _LAYER.search(name)
-        stage = (int(m.group(1)) * t.pp // c.layers if m else
-                 (0 if "embed" in name else t.pp - 1))
-        ex = re.search(r"\.experts\.(\d+)\.", name)
-        rank = int(ex.group(1)) * t.ep // experts if ex else 0
-        size = 4 if name.endswith("e_score_correction_bias") else 2
-        out.append((stage * t.ep + rank, size * math.prod(shape), bool(ex)))
+    experts = experts_of(CONFIGS[model]) or 1
+    return [(stage * t.ep + (0 if k is None else k * t.ep // experts), n, k is not None)
+            for stage, k, n in _placed(model, t.pp)]
+
+
+@cache
+def _stages(model: str, t: Trainer) -> dict[int, tuple]:
+    """Each pipeline stage's candidate sources (`cost_model_core.place_stage`): (the owner of
+    each EP rank, the ranks that may send a dense tensor), in ranks local to the stage."""
+    moe = {s for s, k, _ in _placed(model, t.pp) if k is not None}
+    return {s: place_stage(t.tp, t.dp, t.ep, t.etp, s in moe) for s in range(t.pp)}
+
+
+@cache
+def sources(model: str, t: Trainer) -> tuple[tuple[int, int, bool], ...]:
+    """Concurrent sources: (trainer rank, bf16 bytes, is_expert) per tensor in plan order, as
+    the library places them (`_stages`; a stage's ranks follow one another, stages
+    outermost): an expert from its owner, a dense tensor on the rank of its stage with the
+    fewest bytes so far, largest first (`spread`, as `common.plan.balance_sources`; the
+    library balances Megatron tensors, which may join several of these)."""
+    placed, experts, width = _placed(model, t.pp), experts_of(CONFIGS[model]) or 1, t.tp * t.dp
+    stages, loads, rank, free = _stages(model, t), {}, [], []
+    for i, (s, k, n) in enumerate(placed):
+        owners, dense = stages[s]
+        ranks = (owners[k * t.ep // experts],) if k is not None else dense
+        rank.append(s * width + ranks[0])
+        if len(ranks) == 1:
+            loads[rank[i]] = loads.get(rank[i], 0) + n
+        else:
+            free.append((i, n, [s * width + r for r in ranks]))
+    for (i, _, _), r in zip(free, spread(loads, [(n, c) for _, n, c in free]), strict=True):
+        rank[i] = r
+    return tuple((r, n, k is not None) for r, (_, k, n) in zip(rank, placed, strict=True))
+
+
+@cache
+def joined_gathers(model: str, t: Trainer) -> dict[int, float]:
+    """The bf16 bytes each trainer rank moves in the all-gathers it runs for tensors other
+    ranks send (`gather_group`: a dense tensor's over its source's TP group, an expert's over
+    its owner's ETP group; `_producer` counts a source's own): sources share gathers, and
+    every rank runs its gathers in plan order, so it spends that time as its own."""
+    out: dict[int, float] = {}
+    for source, n, expert in sources(model, t):
+        size = t.etp if expert else t.tp
+        for peer in gather_group(source, size):
+            if peer != source:
+                out[peer] = out.get(peer, 0.0) + n * (size - 1) / size
     return out
+
+
+@cache
+def worker_bytes(model: str, e: Engine) -> tuple[float, ...]:
+    """The bf16 bytes each GPU of one engine holds: its TP share of the tensors, but of the
+    experts (with EP) its EP rank's."""
+    experts, dense, own = experts_of(CONFIGS[model]) or 1, 0, [0] * e.ep
+    for _, k, n in _placed(model, 1):
+        if k is None or e.ep == 1:
+            dense += n
+        else:
+            own[k * e.ep // experts] += n
+    return tuple(dense / e.tp + own[w % e.ep] for w in range(e.gpus_each))
+
+
+@cache
+def concurrency(model: str, t: Trainer, e: Engine) -> dict:
+    """How many concurrent sources (`sources`) and the imbalance: the busiest source's bytes
+    over the mean, and the busiest engine GPU's (`worker_bytes`)."""
+    sent: dict[int, int] = {}
+    for source, n, _ in sources(model, t):
+        sent[source] = sent.get(source, 0) + n
+    return {"sources": len(sent), "imbalance": {
+        "source_bytes": round(imbalance(list(sent.values())), 3),
+        "engine_worker_bytes": round(imbalance(worker_bytes(model, e)), 3)}}
 
 
 def _rates(f: dict[str, Figure], links: Links, case: str) -> dict[str, float]:
@@ -242,8 +257,8 @@ def _producer(b: Bucket, t: Trainer, o: Options, f: dict, r: dict, case: str) ->
     """The sender's device work for `b`: gather (+ its TP / ETP all-gather over NVLink), pack
     (shard-to-shard: the compact need-set gather), delta encode + shadow copy, fp8 quantize."""
     dense = b.nbytes - b.expert_bytes
-    spread = dense * (t.tp - 1) / t.tp + b.expert_bytes * (t.etp - 1) / t.etp
-    out = b.nbytes / r["gather"] + spread / r["nvbus"]
+    gathered = dense * (t.tp - 1) / t.tp + b.expert_bytes * (t.etp - 1) / t.etp
+    out = b.nbytes / r["gather"] + gathered / r["nvbus"]
     pack = b.nbytes / r["pack"]
     out += pack * f["gather_over_pack"].pick(case) if o.mode == "shard" else pack
     if o.mode == "delta":
@@ -253,17 +268,29 @@ def _producer(b: Bucket, t: Trainer, o: Options, f: dict, r: dict, case: str) ->
     return out
 
 
+def _wire_bytes(b: Bucket, o: Options) -> float:
+    return b.nbytes * o.wire_bytes / 2 * (wire_fraction(o.density) if o.mode == "delta" else 1)
+
+
+def _node_bytes(b: Bucket, e: Engine, o: Options, f: dict, case: str) -> float:
+    """The bytes of `b` the busiest engine node takes in: all of them (full / delta: every
+    worker gets the bucket), or (shard-to-shard) its workers' need-sets."""
+    wb = _wire_bytes(b, o)
+    if o.mode != "shard":
+        return wb
+    return ((b.nbytes - b.expert_bytes) * _node_share(e, False) + b.expert_bytes *
+            _node_share(e, True)) / b.nbytes * wb * f["need_overhead"].pick(case)
+
+
 def _wire(b: Bucket, t: Trainer, e: Engine, o: Options, f: dict, r: dict, case: str) -> float:
     """Full / delta: one ring through every node. Shard-to-shard: the busiest engine node's
     share, or the trainer nodes' egress (each need-set's frame leaves once, into its ring)."""
-    wb = b.nbytes * o.wire_bytes / 2 * (wire_fraction(o.density) if o.mode == "delta" else 1)
+    wb = _wire_bytes(b, o)
     if o.mode != "shard":  # one ring through every node: the slower of NVLink and the NICs
         return wb / min(r["nvbus"], r["ib"]) + r["lat"]
-    node = ((b.nbytes - b.expert_bytes) * _node_share(e, False) + b.expert_bytes *
-            _node_share(e, True)) / b.nbytes * wb * f["need_overhead"].pick(case)
     senders = max(1, min(t.gpus // t.gpus_per_node, t.pp * t.ep))
     rails = r["ib"] * f["shard_concurrency"].pick(case)
-    return max(node / rails, wb / (r["ib"] * senders)) + r["lat"]
+    return max(_node_bytes(b, e, o, f, case) / rails, wb / (r["ib"] * senders)) + r["lat"]
 
 
 def _apply(b: Bucket, e: Engine, o: Options, f: dict, r: dict, case: str) -> float:
@@ -274,26 +301,97 @@ def _apply(b: Bucket, e: Engine, o: Options, f: dict, r: dict, case: str) -> flo
     return out
 
 
+def _costs(bs: list[Bucket], wire: list[float], t: Trainer, e: Engine, o: Options, f: dict,
+           r: dict, case: str) -> StageCosts:
+    return StageCosts([b.tensors * r["host"] + r["bucket"] for b in bs],
+                      [_producer(b, t, o, f, r, case) for b in bs], wire,
+                      [_apply(b, e, o, f, r, case) for b in bs])
+
+
+def _paused(out: Timeline, f: dict, case: str) -> Timeline:
+    out.seconds += f["pause_s"].pick(case)
+    out.totals["pause"] = f["pause_s"].pick(case)
+    return out
+
+
 def timeline(model: str, t: Trainer, e: Engine, links: Links, o: Options,
              case: str) -> Timeline:
     """One case (best / expected / worst) of the refit, the engine's pause included."""
     f = figures()
     r = _rates(f, links, case)
     bs = list(buckets(model, t, o.bucket_bytes, o.interleave))
-    costs = StageCosts([b.tensors * r["host"] + r["bucket"] for b in bs],
-                       [_producer(b, t, o, f, r, case) for b in bs],
-                       [_wire(b, t, e, o, f, r, case) for b in bs],
-                       [_apply(b, e, o, f, r, case) for b in bs])
-    out = simulate(bs, costs, o.buffers)
-    out.seconds += f["pause_s"].pick(case)
-    out.totals["pause"] = f["pause_s"].pick(case)
-    return out
+    costs = _costs(bs, [_wire(b, t, e, o, f, r, case) for b in bs], t, e, o, f, r, case)
+    return _paused(simulate(bs, costs, o.buffers), f, case)
+
+
+@cache
+def streams(model: str, t: Trainer, bucket_bytes: int) -> dict[int, list[Bucket]]:
+    """Each concurrent source's buckets (`sources`), its own tensors in plan order."""
+    mine: dict[int, list[tuple[int, int, bool]]] = {}
+    for item in sources(model, t):
+        mine.setdefault(item[0], []).append(item)
+    return {s: cut(items, bucket_bytes) for s, items in mine.items()}
+
+
+def _stream(bs: list[Bucket], joined: float, rail: float, t: Trainer, e: Engine, o: Options,
+            f: dict, r: dict, case: str) -> tuple[list[float], StageCosts]:
+    """One source's stream: the bytes each bucket sends and its stage costs, its wire its own
+    GPU's rail, its device time also the `joined` bytes of the other sources' all-gathers it
+    runs (spread over its buckets by bytes: the plan takes the sources in turn by bytes)."""
+    sent = [_wire_bytes(b, o) * (f["need_overhead"].pick(case) if o.mode == "shard" else 1)
+            for b in bs]
+    costs = _costs(bs, [s / rail + r["lat"] for s in sent], t, e, o, f, r, case)
+    share = joined / r["nvbus"] / sum(b.nbytes for b in bs)
+    return sent, replace(costs, device=[d + b.nbytes * share
+                                        for d, b in zip(costs.device, bs, strict=True)])
+
+
+def concurrent_timeline(model: str, t: Trainer, e: Engine, links: Links, o: Options,
+                        case: str) -> Timeline:
+    """One case of a refit with concurrent sources on (`sources`). Two or more: each source's
+    stream on its own (`_stream`), then the stages they share: the busiest trainer node's
+    egress (its sources' bytes over its NICs) and engine node's ingress (its workers' bytes
+    over its NICs; full / delta: and over NVLink), each with the last bucket's apply, and the
+    busiest engine GPU's apply of every stream; then the pause. One source: the library sends
+    one stream over the whole group, `timeline`'s wire."""
+    f = figures()
+    r = _rates(f, links, case)
+    mine, joined = streams(model, t, o.bucket_bytes), joined_gathers(model, t)
+    if len(mine) == 1:
+        bs = next(iter(mine.values()))
+        wire = [_wire(b, t, e, o, f, r, case) for b in bs]
+        return _paused(simulate(bs, _costs(bs, wire, t, e, o, f, r, case), o.buffers), f, case)
+    rail = r["ib"] / min(links.nics_per_node, t.gpus_per_node) * f["source_rail"].pick(case)
+    runs, egress = [], {}
+    for source, bs in mine.items():
+        sent, costs = _stream(bs, joined.get(source, 0.0), rail, t, e, o, f, r, case)
+        runs.append((bs, costs))
+        egress[source // t.gpus_per_node] = egress.get(source // t.gpus_per_node, 0.0) + sum(sent)
+    applies = [a for _, c in runs for a in c.apply]
+    ingress = sum(_node_bytes(b, e, o, f, case) for bs, _ in runs for b in bs)
+    into = (r["ib"] * f["concurrent_shard_rails"].pick(case) if o.mode == "shard" else
+            min(r["nvbus"], r["ib"]))  # full / delta: every worker's NVLink too
+    shared = {"trainer egress": max(egress.values()) / r["ib"] + max(applies),
+              "engine ingress": ingress / into + max(applies),
+              "engine apply": sum(applies) * imbalance(worker_bytes(model, e))}
+    return _paused(concurrent(runs, shared, o.buffers), f, case)
 
 
 def predict(model: str, t: Trainer, e: Engine, links: Links, o: Options) -> dict:
-    """The refit's seconds per case, the stages' totals and the bounding stage (expected)."""
+    """The refit's seconds per case, the stages' totals and the bounding stage (expected).
+    Concurrent sources: by `concurrent_timeline`, with the sources and their imbalance."""
+    return copy.deepcopy(_predict(model, t, e, links, o))
+
+
+@cache
+def _predict(model: str, t: Trainer, e: Engine, links: Links, o: Options) -> dict:
     _check(model, t, e, links, o)
-    runs = {c: timeline(model, t, e, links, o, c) for c in CASES}
+    runs = {c: (concurrent_timeline if o.concurrent else timeline)(model, t, e, links, o, c)
+            for c in CASES}
     exp = runs["expected"]
-    return {"seconds": {c: round(runs[c].seconds, 4) for c in CASES}, "bound": exp.bound,
-            "stages_s": {k: round(v, 4) for k, v in exp.totals.items()}}
+    out = {"seconds": {c: round(runs[c].seconds, 4) for c in CASES}, "bound": exp.bound,
+           "stages_s": {k: round(v, 4) for k, v in exp.totals.items()}}
+    if o.concurrent:
+        out["concurrent"] = {**concurrency(model, t, e), "slowest_source_s": {
+            k: round(v, 4) for k, v in exp.detail.items()}}
+    return out

@@ -4,20 +4,66 @@ constant it reads present in bench/results/, clear errors on bad input, and the
 
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+
+from common.plan import TensorSpec, balance_sources
+from mcore_refit.placement import RankInfo
+from mcore_refit.placement import place_stage as library_place_stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from cost_model import main, parse_layout  # noqa: E402
 from cost_model_check import CALIBRATION, HELD_OUT, SWEEPS, Machine, costs, machine  # noqa: E402
-from cost_model_core import Bucket, StageCosts, cut, fit_host, interleave, simulate  # noqa: E402
+from cost_model_core import (  # noqa: E402
+    Bucket,
+    StageCosts,
+    concurrent,
+    cut,
+    fit_host,
+    imbalance,
+    interleave,
+    place_stage,
+    simulate,
+    spread,
+)
 from cost_model_graph import GRAPH_SWEEPS, graph_costs, graph_machine, starts_launch  # noqa: E402
 from cost_model_inputs import RESULTS, load  # noqa: E402
-from cost_model_readme import FILES, TABLES, render  # noqa: E402
-from cost_model_scale import Engine, LayoutError, Links, Options, Trainer, figures, wire_fraction  # noqa: E402
+from cost_model_readme import (  # noqa: E402
+    CONCURRENT,
+    CONCURRENT_TOPOLOGIES,
+    FILES,
+    H100,
+    H200,
+    TABLES,
+    TOPOLOGIES,
+    render,
+)
+from cost_model_scale import (  # noqa: E402
+    Engine,
+    LayoutError,
+    Links,
+    Options,
+    Trainer,
+    _placed,
+    _rates,
+    _stages,
+    _stream,
+    concurrency,
+    figures,
+    joined_gathers,
+    predict,
+    sources,
+    streams,
+    wire_fraction,
+    worker_bytes,
+)
+from model_shapes import CONFIGS, experts_of  # noqa: E402
 
 
 def test_cost_model_cuts_buckets_per_sender_and_size() -> None:
@@ -159,6 +205,132 @@ def test_cost_model_answers_a_users_case(capsys) -> None:
     with pytest.raises(LayoutError):
         parse_layout(Trainer, "tp=x")
     assert Links().nics_per_node == 8 and Options().buffers == 2
+
+
+def test_cost_model_concurrent_core_is_simulate_per_stream_then_the_shared_links() -> None:
+    b, c = _three(host=1.0, wire=3.0, apply=0.5)
+    # one stream and no shared link: the one-stream simulation itself
+    assert concurrent([(b, c)], {}, 2).seconds == pytest.approx(simulate(b, c, 2).seconds)
+    # two streams run at once: the slower one's end, not their sum
+    slow = StageCosts([2.0] * 3, [0.0] * 3, [3.0] * 3, [0.5] * 3)
+    t = concurrent([(b, c), (b, slow)], {"trainer egress": 1.0}, 2)
+    assert t.seconds == pytest.approx(simulate(b, slow, 2).seconds) and t.bound == "source"
+    assert t.detail == simulate(b, slow, 2).totals  # the slowest stream's own split
+    # a shared link that needs longer than every stream bounds the refit and says so
+    t = concurrent([(b, c)], {"trainer egress": 1.0, "engine ingress": 20.0}, 2)
+    assert t.seconds == 20.0 and t.bound == "engine ingress"
+
+
+def test_cost_model_concurrent_imbalance_is_one_when_balanced() -> None:
+    # largest first onto the least loaded candidate: six tensors over two ranks end equal
+    sizes, loads = [3, 3, 2, 2, 1, 1], {}
+    spread(loads, [(n, (0, 1)) for n in sizes])
+    assert loads == {0: 6, 1: 6} and imbalance(list(loads.values())) == 1.0
+    assert spread({0: 5}, [(3, (0, 1)), (2, (0, 1))]) == [1, 1]  # what a rank sends counts
+    assert spread({}, [(4, (0,)), (1, (0, 1))]) == [0, 1]  # a tensor only its candidates
+    assert imbalance([2, 1, 0]) == 2.0 and imbalance([]) == 1.0
+    # an engine whose EP divides the experts: every GPU holds the same bytes
+    assert imbalance(worker_bytes("DeepSeek-V3", Engine(tp=8, ep=32))) == 1.0
+    for model, t, e in CONCURRENT_TOPOLOGIES.values():
+        assert min(concurrency(model, t, e)["imbalance"].values()) >= 1.0
+
+
+# (TP, DP, EP, expert-TP) of one stage: the table's V3, its ETP2 variant, K2 (two EDP replicas)
+STAGES = [(2, 4, 8, 1), (2, 4, 4, 2), (2, 8, 8, 1), (4, 2, 8, 1), (2, 2, 2, 2)]
+
+
+@pytest.mark.parametrize("tp, dp, ep, etp", STAGES)
+def test_cost_model_concurrent_sources_are_placed_as_the_library_places_them(tp, dp, ep,
+                                                                            etp) -> None:
+    """`place_stage` is `mcore_refit.placement.place_stage` on Megatron's expert grid (ETP,
+    then EP, then EDP): experts from their owners, dense tensors from any rank; no fallback."""
+    infos = [RankInfo(r, r // etp % ep, r % etp, r // (etp * ep)) for r in range(tp * dp)]
+    library = library_place_stage(infos, experts=True)
+    assert library.spread and place_stage(tp, dp, ep, etp, True) == (library.owners,
+                                                                     library.dense)
+    assert place_stage(tp, dp, 1, 1, False) == ((), tuple(range(tp * dp)))  # a dense stage
+
+
+def test_cost_model_concurrent_spreads_dense_tensors_as_balance_sources_does() -> None:
+    model, t, _ = CONCURRENT_TOPOLOGIES["V3: 128 -> 64"]
+    placed, width, experts = _placed(model, t.pp), t.tp * t.dp, experts_of(CONFIGS[model])
+    stages, specs, candidates = _stages(model, t), [], {}
+    for i, ((stage, k, n), (rank, _, _)) in enumerate(zip(placed, sources(model, t),
+                                                          strict=True)):
+        owners, dense = stages[stage]
+        ranks = [stage * width + r for r in ((owners[k * t.ep // experts],) if k is not None
+                                             else dense)]
+        assert rank in ranks  # every tensor from a rank of its own stage
+        specs.append(TensorSpec(str(i), (n,), torch.uint8, ranks[0]))
+        candidates[str(i)] = ranks
+    assert [s.source_rank for s in balance_sources(specs, candidates)] == [
+        r for r, _, _ in sources(model, t)]
+    for name, count in (("V3: 128 -> 64", 128), ("V3: 128 -> 64, ETP2", 128),
+                        ("K2: 256 -> 128", 256), ("235B: 8 -> 8", 8)):
+        assert concurrency(*CONCURRENT_TOPOLOGIES[name])["sources"] == count, name
+
+
+def test_cost_model_concurrent_sources_spend_the_gathers_they_share() -> None:
+    # TP2, expert-TP 1: a rank runs its TP peer's dense gathers, half of each tensor moved
+    model, t, _ = CONCURRENT_TOPOLOGIES["V3: 128 -> 64"]
+    dense = {}
+    for rank, n, expert in sources(model, t):
+        dense[rank] = dense.get(rank, 0) + (0 if expert else n)
+    joined = joined_gathers(model, t)
+    assert all(joined[r] == pytest.approx(dense[r ^ 1] / 2) for r in dense)
+    # expert-TP 2: the owner's expert-TP peer (a dense source) also runs its experts' gathers
+    model, t, _ = CONCURRENT_TOPOLOGIES["V3: 128 -> 64, ETP2"]
+    experts = sum(n for r, n, ex in sources(model, t) if ex and r == 0)
+    assert joined_gathers(model, t)[1] >= experts / 2 > 0
+    # and spends them: its stream's device time grows by their NVLink time
+    f, bs = figures(), streams(model, t, 256 << 20)[1]
+    r = _rates(f, H100, "expected")
+    args = (1.0, Trainer(tp=2, etp=2), Engine(tp=8), Options(), f, r, "expected")
+    alone, shared = _stream(bs, 0.0, *args)[1], _stream(bs, 1e9, *args)[1]
+    assert sum(shared.device) - sum(alone.device) == pytest.approx(1e9 / r["nvbus"])
+
+
+@pytest.mark.parametrize("topology", CONCURRENT_TOPOLOGIES)
+def test_cost_model_concurrent_never_slower_than_the_interleaved_one_stream(topology) -> None:
+    """Every case of the table: the placement gives every stage several sources (8 or 16),
+    each stream on its own GPU's NIC."""
+    model, t, e = CONCURRENT_TOPOLOGIES[topology]
+    assert concurrency(model, t, e)["sources"] >= 8 * t.pp
+    links = H200 if topology == "V3: 64 -> 32" else H100  # bf16 V3 does not fit 32 H100s
+    for name, o in CONCURRENT.items():
+        one = predict(model, t, e, links, replace(o, interleave=True))["seconds"]
+        many = predict(model, t, e, links, replace(o, concurrent=True))["seconds"]
+        assert all(many[c] <= one[c] + 1e-9 for c in one), (name, one, many)
+
+
+def test_cost_model_concurrent_with_one_source_is_the_one_stream_model() -> None:
+    case = ("Qwen3-8B", Trainer(), Engine(tp=2), H100)
+    for o in CONCURRENT.values():
+        many = predict(*case, replace(o, concurrent=True))
+        assert many["concurrent"]["sources"] == 1
+        assert many["seconds"] == predict(*case, o)["seconds"]
+
+
+def test_cost_model_concurrent_reports_the_engine_ingress_bound(capsys) -> None:
+    assert main(["--model", "DeepSeek-V3", "--trainer", "tp=2,pp=16,ep=8,dp=4",
+                 "--engine", "tp=8,ep=32,dp=2", "--mode", "shard", "--concurrent"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bound"] == "engine ingress" == max(out["stages_s"], key=out["stages_s"].get)
+    assert out["concurrent"]["sources"] == 128
+    assert "concurrent_shard_rails" in out["constants"] and "source_rail" in out["constants"]
+
+
+def test_cost_model_concurrent_source_sends_by_its_own_gpus_nic() -> None:
+    # one trainer node, eight owners of 235B's experts: each sends an eighth of the model by
+    # its own NIC, the slowest of them ends the refit (the node's eight NICs all busy)
+    model, t, e = TOPOLOGIES["235B: 8 -> 8"]
+    many = predict(model, t, e, H100, Options(concurrent=True))
+    assert many["concurrent"]["sources"] == 8 and many["bound"] == "source"
+    sent: dict[int, int] = {}
+    for rank, n, _ in sources(model, t):
+        sent[rank] = sent.get(rank, 0) + n
+    nic = H100.nic_Gbps / 8 * 1e9 * figures()["ib_efficiency"].expected
+    assert many["stages_s"]["source"] >= max(sent.values()) / nic
 
 
 def test_cost_model_readme_at_scale_is_the_models_output() -> None:
