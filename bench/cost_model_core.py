@@ -175,15 +175,18 @@ def spread(loads: dict[int, float], items: list[tuple[float, Sequence[int]]]) ->
 
 
 def place_stage(tp: int, dp: int, ep: int, etp: int,
-                experts: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                experts: bool) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
     """One Megatron pipeline stage's candidate sources as `mcore_refit/placement.py` places
     them (`sources="spread"`), in ranks local to the stage (TP groups: runs of `tp`; the
-    expert grid: ETP, then EP, then EDP) -> (the owner of each EP rank, which sends its
-    experts: expert-TP rank 0 of its ETP group in EDP replica 0; the ranks that may send a
-    dense tensor: every rank of the stage, its DP / EP replicas holding it alike). On this grid
-    every EP rank has exactly one owner, so the library's fallback (the whole stage from its
-    first rank) never applies. Sources may share gathers: `gather_group`."""
-    return tuple(etp * e for e in range(ep)) if experts else (), tuple(range(tp * dp))
+    expert grid: ETP, then EP, then EDP) -> (the owners of each EP rank, one per EDP replica,
+    any of which may send its experts: expert-TP rank 0 of its ETP group in that replica; the
+    ranks that may send a dense tensor: every rank of the stage, its DP / EP replicas holding
+    it alike). On this grid every EP rank has exactly one owner per replica, so the library's
+    fallback (the whole stage from its first rank) never applies. Sources may share gathers:
+    `gather_group`."""
+    replicas = range(tp * dp // (etp * ep))
+    owners = tuple(tuple(etp * (r * ep + e) for r in replicas) for e in range(ep))
+    return owners if experts else (), tuple(range(tp * dp))
 
 
 def gather_group(rank: int, size: int) -> range:

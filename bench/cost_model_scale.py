@@ -163,7 +163,7 @@ def owners(model: str, t: Trainer) -> list[tuple[int, int, bool]]:
 
 @cache
 def _stages(model: str, t: Trainer) -> dict[int, tuple]:
-    """Each pipeline stage's candidate sources (`cost_model_core.place_stage`): (the owner of
+    """Each pipeline stage's candidate sources (`cost_model_core.place_stage`): (the owners of
     each EP rank, the ranks that may send a dense tensor), in ranks local to the stage."""
     moe = {s for s, k, _ in _placed(model, t.pp) if k is not None}
     return {s: place_stage(t.tp, t.dp, t.ep, t.etp, s in moe) for s in range(t.pp)}
@@ -173,14 +173,15 @@ def _stages(model: str, t: Trainer) -> dict[int, tuple]:
 def sources(model: str, t: Trainer) -> tuple[tuple[int, int, bool], ...]:
     """Concurrent sources: (trainer rank, bf16 bytes, is_expert) per tensor in plan order, as
     the library places them (`_stages`; a stage's ranks follow one another, stages
-    outermost): an expert from its owner, a dense tensor on the rank of its stage with the
-    fewest bytes so far, largest first (`spread`, as `common.plan.balance_sources`; the
-    library balances Megatron tensors, which may join several of these)."""
+    outermost): an expert on one of its owners (one per EDP replica), a dense tensor on a rank
+    of its stage, each the one with the fewest bytes so far, largest first (`spread`, as
+    `common.plan.balance_sources`; the library balances Megatron tensors, which may join
+    several of these)."""
     placed, experts, width = _placed(model, t.pp), experts_of(CONFIGS[model]) or 1, t.tp * t.dp
     stages, loads, rank, free = _stages(model, t), {}, [], []
     for i, (s, k, n) in enumerate(placed):
         owners, dense = stages[s]
-        ranks = (owners[k * t.ep // experts],) if k is not None else dense
+        ranks = owners[k * t.ep // experts] if k is not None else dense
         rank.append(s * width + ranks[0])
         if len(ranks) == 1:
             loads[rank[i]] = loads.get(rank[i], 0) + n

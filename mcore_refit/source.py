@@ -2,19 +2,20 @@
 
 Sources (`sources=`). Nothing crosses pipeline stages: a stage's tensors are sent by ranks of
 that stage. With `"spread"` (the default) a stage has several sources, so that the concurrent
-sources of `common.transfer.schedule` share the sending: each expert comes from the rank that
-owns it (no gather over EP), each dense tensor from one rank of the stage (DP / CP / EP
-replicas hold it alike; after its TP all-gather every rank of the TP group holds it), chosen
-by bytes (`common.plan.balance_sources`, every rank the same); `mcore_refit.placement` has the
-rules. With `"stage"` every tensor comes from the stage's FIRST rank (lowest default-group
-rank: TP/CP/DP/EP/ETP rank 0), experts gathered over EP onto it: one source per stage, for
-fewer stream communicators (each source has its own with the receivers) or receivers that
-should reach one rank per stage, at the cost of the EP gather and of one sender per stage.
+sources of `common.transfer.schedule` share the sending: each expert comes from a rank that
+owns it (its EP rank's expert-TP rank 0 in one of the expert-data-parallel replicas; no gather
+over EP), each dense tensor from one rank of the stage (DP / CP / EP replicas hold it alike;
+after its TP all-gather every rank of the TP group holds it), all chosen by bytes
+(`common.plan.balance_sources`, every rank the same); `mcore_refit.placement` has the rules.
+With `"stage"` every tensor comes from the stage's FIRST rank (lowest default-group rank:
+TP/CP/DP/EP/ETP rank 0), experts gathered over EP onto it: one source per stage, for fewer
+stream communicators (each source has its own with the receivers) or receivers that should
+reach one rank per stage, at the cost of the EP gather and of one sender per stage.
 `source_rank` values are default-group (`torch.distributed.WORLD`) ranks of the training job;
 the refit group must number the training ranks the same way. A rank yields None for tensors
 it does not send, and only the ranks whose result is used run gathers (a dense tensor's
-source's TP group; the expert-TP groups of the expert-data-parallel replica sent); the others
-yield None at once.
+source's TP group; an expert's source's expert-TP group, with `"stage"` every expert-TP group
+of expert-data-parallel replica 0); the others yield None at once.
 
 Specs come from metadata only: each rank lists its stage's tensors (canonical name, global
 shape from local shape x TP/ETP size along `partition_dim`, EP-expanded expert ids) and the
@@ -81,8 +82,9 @@ class MegatronWeightSource:
     the router expert bias fp32); it needs a `dtype` (every Megatron param is floating).
     `vocab_size` is the true vocabulary; padded rows are dropped.
     Tied embeddings (`share_embeddings_and_output_weights`) send no `lm_head`.
-    `sources`: `"spread"` (default) sends each expert from its owner and spreads the dense
-    tensors over the stage's ranks, bytes balanced, so several ranks per stage send at once
+    `sources`: `"spread"` (default) sends each expert from one of its owners (one per
+    expert-data-parallel replica) and spreads the dense tensors over the stage's ranks, all
+    bytes balanced, so several ranks per stage send at once
     (with `RefitConfig.concurrent_sources`) and experts never cross EP; `"stage"` sends a whole
     stage from its first rank (fewer stream communicators, receivers that reach one rank per
     stage; the experts gathered over EP). The module doc has the details.
@@ -113,8 +115,7 @@ class MegatronWeightSource:
         self.rank = dist.get_rank()
         self.tp_ranks = group_ranks(ps.get_tensor_model_parallel_group())
         self.ep_rank = ps.get_expert_model_parallel_rank()
-        self.expert_active = (self.num_experts == 0
-                              or ps.get_expert_data_parallel_rank() == 0)
+        self.edp_rank = ps.get_expert_data_parallel_rank()
         self.sources = sources
         self.units, self.placements = self._exchange(self._local_units(self.chunks, inner))
         self._where: dict[str, _Where] = {}
@@ -159,9 +160,10 @@ class MegatronWeightSource:
         return place_stage(stage_infos(stage_group), any(u.expert_ids for u in local))
 
     def _assign_sources(self) -> list[tuple[int, ...]]:
-        """Each unit's source rank per member: an expert's fixed (its owner), a dense
-        tensor's one of its candidates, chosen by `balance_sources` over whole units (an HF
-        tensor goes with the other tensors its Megatron tensor converts to)."""
+        """Each unit's source rank per member: one of its candidates (an expert's: its
+        owners, one per expert-data-parallel replica; a dense tensor's: the stage's ranks),
+        chosen by `balance_sources` over whole units (an HF tensor goes with the other tensors
+        its Megatron tensor converts to)."""
         specs, candidates = [], {}
         for u, unit in enumerate(self.units):
             placement = self.placements[unit.stage]
@@ -263,15 +265,23 @@ class MegatronWeightSource:
         self._checked = plan.digest
 
     # --- data ---------------------------------------------------------------------------
-    def _expert_fulls(self, unit: _Unit) -> list[torch.Tensor | None] | None:
-        """The full tensor of each expert of the unit this rank may send (None: not here);
-        gathers over expert-TP in the sent replica, then with `"stage"` over EP."""
-        if not self.expert_active:
+    def _expert_fulls(self, unit: _Unit, sources: tuple[int, ...]
+                      ) -> list[torch.Tensor | None] | None:
+        """The full tensor of each expert of the unit this rank may send (None: not here).
+        `"spread"`: the expert-TP group of this rank's EP rank's source gathers (the source is
+        its expert-TP rank 0: the group's ranks share the EP and expert-DP rank, so all or none
+        of them gather); `"stage"`: replica 0's expert-TP groups, then its EP groups."""
+        placement = self.placements[self.stage]
+        if placement.spread:
+            active = sources[self.ep_rank] == placement.owners[self.ep_rank][self.edp_rank]
+        else:
+            active = self.edp_rank == 0
+        if not active:
             return None
         local = unit.tensor.detach()
         full = gather_partitioned(local, ps.get_expert_tensor_parallel_group(), unit.dim,
                                   unit.stride) if unit.tp else local
-        if self.placements[self.stage].spread:
+        if placement.spread:
             return [full if m == self.ep_rank else None for m in range(len(unit.expert_ids))]
         return gather_experts(full, ps.get_expert_model_parallel_group())
 
@@ -292,7 +302,7 @@ class MegatronWeightSource:
         if unit.stage != self.stage or unit.tensor is None:
             return None
         if unit.expert_ids:
-            fulls = self._expert_fulls(unit)
+            fulls = self._expert_fulls(unit, sources)
             canonical = [unit.name.format(E=e) for e in unit.expert_ids]
         else:
             fulls, canonical = [self._dense_full(unit, sources[0])], [unit.name]

@@ -235,30 +235,35 @@ def test_cost_model_concurrent_imbalance_is_one_when_balanced() -> None:
         assert min(concurrency(model, t, e)["imbalance"].values()) >= 1.0
 
 
-# (TP, DP, EP, expert-TP) of one stage: the table's V3, its ETP2 variant, K2 (two EDP replicas)
-STAGES = [(2, 4, 8, 1), (2, 4, 4, 2), (2, 8, 8, 1), (4, 2, 8, 1), (2, 2, 2, 2)]
+# (TP, DP, EP, expert-TP) of one stage: the table's V3, its ETP2 variant, K2 (two EDP
+# replicas), 235B, expert-TP 2 with one and with two EDP replicas
+STAGES = [(2, 4, 8, 1), (2, 4, 4, 2), (2, 8, 8, 1), (4, 2, 8, 1), (2, 2, 2, 2), (2, 4, 2, 2)]
 
 
 @pytest.mark.parametrize("tp, dp, ep, etp", STAGES)
 def test_cost_model_concurrent_sources_are_placed_as_the_library_places_them(tp, dp, ep,
                                                                             etp) -> None:
     """`place_stage` is `mcore_refit.placement.place_stage` on Megatron's expert grid (ETP,
-    then EP, then EDP): experts from their owners, dense tensors from any rank; no fallback."""
+    then EP, then EDP): experts from their owners (one per EDP replica), dense tensors from any
+    rank; no fallback."""
     infos = [RankInfo(r, r // etp % ep, r % etp, r // (etp * ep)) for r in range(tp * dp)]
     library = library_place_stage(infos, experts=True)
     assert library.spread and place_stage(tp, dp, ep, etp, True) == (library.owners,
                                                                      library.dense)
+    assert {len(o) for o in library.owners} == {tp * dp // (ep * etp)}  # EDP replicas
     assert place_stage(tp, dp, 1, 1, False) == ((), tuple(range(tp * dp)))  # a dense stage
 
 
-def test_cost_model_concurrent_spreads_dense_tensors_as_balance_sources_does() -> None:
-    model, t, _ = CONCURRENT_TOPOLOGIES["V3: 128 -> 64"]
+@pytest.mark.parametrize("topology", ["V3: 128 -> 64", "K2: 256 -> 128"])
+def test_cost_model_concurrent_spreads_tensors_as_balance_sources_does(topology) -> None:
+    """Dense tensors over the stage, experts over their owners (K2: two EDP replicas)."""
+    model, t, _ = CONCURRENT_TOPOLOGIES[topology]
     placed, width, experts = _placed(model, t.pp), t.tp * t.dp, experts_of(CONFIGS[model])
     stages, specs, candidates = _stages(model, t), [], {}
     for i, ((stage, k, n), (rank, _, _)) in enumerate(zip(placed, sources(model, t),
                                                           strict=True)):
         owners, dense = stages[stage]
-        ranks = [stage * width + r for r in ((owners[k * t.ep // experts],) if k is not None
+        ranks = [stage * width + r for r in (owners[k * t.ep // experts] if k is not None
                                              else dense)]
         assert rank in ranks  # every tensor from a rank of its own stage
         specs.append(TensorSpec(str(i), (n,), torch.uint8, ranks[0]))
@@ -268,6 +273,20 @@ def test_cost_model_concurrent_spreads_dense_tensors_as_balance_sources_does() -
     for name, count in (("V3: 128 -> 64", 128), ("V3: 128 -> 64, ETP2", 128),
                         ("K2: 256 -> 128", 256), ("235B: 8 -> 8", 8)):
         assert concurrency(*CONCURRENT_TOPOLOGIES[name])["sources"] == count, name
+
+
+@pytest.mark.parametrize("topology", ["30B: 16 -> 16", "K2: 256 -> 128"])
+def test_cost_model_concurrent_spreads_experts_over_edp_replicas(topology) -> None:
+    """Two EDP replicas (expert-TP 1): every rank of a stage owns experts, and both replicas'
+    owners send them, about half each; the sources end within 10% of the mean (replica 0's
+    owners alone sent 1.90x the mean on 30B, 2.11x on K2)."""
+    model, t, e = CONCURRENT_TOPOLOGIES[topology]
+    width, by_replica = t.tp * t.dp, [0, 0]
+    assert width == 2 * t.ep * t.etp
+    for rank, n, expert in sources(model, t):
+        by_replica[rank % width // t.ep] += n if expert else 0
+    assert by_replica[1] == pytest.approx(by_replica[0], rel=0.05)
+    assert concurrency(model, t, e)["imbalance"]["source_bytes"] <= 1.1
 
 
 def test_cost_model_concurrent_sources_spend_the_gathers_they_share() -> None:

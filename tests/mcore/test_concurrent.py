@@ -1,7 +1,7 @@
-"""Megatron concurrent sources (`sources="spread"`): experts from their owners, dense tensors
-spread over the stage's ranks, bytes balanced; a refit into plain receivers lands bit for bit
-what `sources="stage"` lands, sources sharing TP / expert-TP gathers included. Selectable by
-`-k concurrent`."""
+"""Megatron concurrent sources (`sources="spread"`): experts from their owners (any
+expert-data-parallel replica's), dense tensors spread over the stage's ranks, bytes balanced; a
+refit into plain receivers lands bit for bit what `sources="stage"` lands, sources sharing TP /
+expert-TP gathers included. Selectable by `-k concurrent`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from common.plan import TensorSpec
+from common.plan import TensorSpec, balance_sources
 from common.transfer.schedule import imbalance
 from mcore_refit.placement import RankInfo, StagePlacement, place_stage
 from tests.mcore.hfcheck import expected_shapes, hf_logits
@@ -23,12 +23,15 @@ TRAINERS, RECEIVERS = 4, 2
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
-# 4 ranks of one stage, as (rank, EP rank, expert-TP rank, expert-DP rank): the owners
+# 4 ranks of one stage, as (rank, EP rank, expert-TP rank, expert-DP rank): the owners of
+# each EP rank, one per expert-DP replica
 PLACEMENTS = {
-    "tp2 ep2 (etp = tp)": ([(0, 0, 0, 0), (1, 0, 1, 0), (2, 1, 0, 0), (3, 1, 1, 0)], (0, 2)),
-    "tp2 ep2 etp1": ([(0, 0, 0, 0), (1, 1, 0, 0), (2, 0, 0, 1), (3, 1, 0, 1)], (0, 1)),
-    "tp2 ep4 etp1": ([(r, r, 0, 0) for r in range(4)], (0, 1, 2, 3)),
-    "ep2 edp2": ([(r, r % 2, 0, r // 2) for r in range(4)], (0, 1)),
+    "tp2 ep2 (etp = tp)": ([(0, 0, 0, 0), (1, 0, 1, 0), (2, 1, 0, 0), (3, 1, 1, 0)],
+                           ((0,), (2,))),
+    "tp2 ep2 etp1": ([(0, 0, 0, 0), (1, 1, 0, 0), (2, 0, 0, 1), (3, 1, 0, 1)], ((0, 2), (1, 3))),
+    "tp2 ep4 etp1": ([(r, r, 0, 0) for r in range(4)], ((0,), (1,), (2,), (3,))),
+    "ep2 edp2": ([(r, r % 2, 0, r // 2) for r in range(4)], ((0, 2), (1, 3))),
+    "tp2 etp2 edp2": ([(r, 0, r % 2, r // 2) for r in range(4)], ((0, 2),)),
 }
 
 
@@ -37,8 +40,29 @@ def test_concurrent_placement_experts_from_owners_dense_anywhere(case: str) -> N
     infos, owners = PLACEMENTS[case]
     got = place_stage([RankInfo(*i) for i in reversed(infos)], experts=True)
     assert got == StagePlacement(0, owners, (0, 1, 2, 3))
-    assert [got.candidates(e) for e in range(len(owners))] == [(o,) for o in owners]
+    assert [got.candidates(e) for e in range(len(owners))] == list(owners)
     assert got.candidates(None) == (0, 1, 2, 3)
+
+
+def test_concurrent_placement_spreads_experts_over_edp_replicas() -> None:
+    """EP2 x EDP2 (TP1): each expert may come from its EP rank's owner in either replica;
+    `balance_sources` (as `MegatronWeightSource` calls it) gives both replicas' owners
+    experts, and the four sources end within one unit of each other."""
+    got = place_stage([RankInfo(r, r % 2, 0, r // 2) for r in range(4)], experts=True)
+    experts = [(f"e{e}.fc{k}", e % 2, 3 - k) for e in range(8) for k in (1, 2)]  # fc1: 2x fc2
+    specs = [TensorSpec(n, (b,), torch.uint8, got.candidates(m)[0]) for n, m, b in experts]
+    specs += [TensorSpec(f"d{i}", (1,), torch.uint8, got.first) for i in range(4)]
+    candidates = {n: got.candidates(m) for n, m, _ in experts}
+    candidates.update({f"d{i}": got.candidates(None) for i in range(4)})
+    placed = balance_sources(specs, candidates)
+    loads, by_replica = Counter(), Counter()
+    for spec in placed:
+        loads[spec.source_rank] += spec.nbytes
+        if spec.name.startswith("e"):
+            assert spec.source_rank in got.owners[int(spec.name[1]) % 2], spec
+            by_replica[spec.source_rank // 2] += spec.nbytes
+    assert by_replica[0] == by_replica[1] == 12  # both replicas' owners send experts
+    assert loads == dict.fromkeys(range(4), 7) and imbalance(dict(loads)) == 1.0, loads
 
 
 def test_concurrent_placement_without_owners_falls_back_to_stage() -> None:
@@ -68,36 +92,45 @@ def assert_same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
         assert torch.equal(_bits(got[name]), _bits(tensor)), name
 
 
-def _owner(results: list[dict], stage: int, expert: int, per_rank: int) -> int:
-    """The rank of `stage` whose EP rank holds `expert` in expert-data-parallel replica 0."""
-    return next(r for r, res in enumerate(results)
-                if res["where"] == (stage, expert // per_rank, 0))
+def _owners(results: list[dict], stage: int, expert: int, per_rank: int) -> set[int]:
+    """The ranks of `stage` whose EP rank holds `expert`, one per expert-data-parallel replica
+    (expert-TP 1: every such rank is its replica's owner)."""
+    return {r for r, res in enumerate(results) if res["where"][:2] == (stage, expert // per_rank)}
 
 
-def test_concurrent_pp2_ep2_plan_spreads_over_four_sources(pool) -> None:
-    spread = pool.run(refit_job, PP2EP2, 5)
-    stage = pool.run(refit_job, PP2EP2, 5, torch.float32, "stage")
+# 4 ranks, every one an owner (expert-TP 1): PP2 x EP2 (one replica a stage); EP2 x DP2 (TP1:
+# two expert-data-parallel replicas, each EP rank's experts shared by its two owners)
+PLANS = {"pp2 ep2": (PP2EP2, [0, 2]), "ep2 edp2": (Layout("qwen3_moe", ep=2), [0])}
+
+
+@pytest.mark.parametrize("case", PLANS)
+def test_concurrent_plan_spreads_over_four_sources(pool, case: str) -> None:
+    layout, stage_sources = PLANS[case]
+    spread = pool.run(refit_job, layout, 5)
+    stage = pool.run(refit_job, layout, 5, torch.float32, "stage")
     specs, old = _specs(spread[0]), {s.name: s for s in _specs(stage[0])}
-    assert sorted({s.source_rank for s in old.values()}) == [0, 2]
-    assert sorted({s.source_rank for s in specs}) == [0, 1, 2, 3]
+    assert sorted({s.source_rank for s in old.values()}) == stage_sources
     assert [s.source_rank for s in specs] == sorted(s.source_rank for s in specs)
     stage_of = {r: res["where"][0] for r, res in enumerate(spread)}
-    per_rank = PP2EP2.sizes.experts // PP2EP2.ep
-    for spec in specs:  # a stage's tensors stay on it; each expert comes from its owner
+    per_rank = layout.sizes.experts // layout.ep
+    loads, expert_loads = Counter(), Counter()
+    for spec in specs:  # a stage's tensors stay on it; each expert comes from an owner
         assert stage_of[spec.source_rank] == stage_of[old[spec.name].source_rank], spec
-        if m := _EXPERT.search(spec.name):
-            owner = _owner(spread, stage_of[spec.source_rank], int(m.group(1)), per_rank)
-            assert spec.source_rank == owner, spec
-    loads = Counter()
-    for spec in specs:
         loads[spec.source_rank] += spec.nbytes
+        if m := _EXPERT.search(spec.name):
+            owners = _owners(spread, stage_of[spec.source_rank], int(m.group(1)), per_rank)
+            assert spec.source_rank in owners, spec
+            expert_loads[spec.source_rank] += spec.nbytes
+    assert sorted(expert_loads) == sorted(loads) == [0, 1, 2, 3], (expert_loads, loads)
     layer0_qkv = re.compile(r"model\.layers\.0\.self_attn\.[qkv]_proj")
-    qkv = sum(s.nbytes for s in specs if layer0_qkv.match(s.name))  # the largest dense unit
-    for ranks in ([0, 1], [2, 3]):  # greedy by bytes: the stage's sources differ by < 1 unit
-        assert max(loads[r] for r in ranks) - min(loads[r] for r in ranks) <= qkv, loads
+    qkv = sum(s.nbytes for s in specs if layer0_qkv.match(s.name))  # the largest unit
+    for st in set(stage_of.values()):  # greedy by bytes: a stage's sources within one unit
+        mine = [loads[r] for r, s in stage_of.items() if s == st]
+        assert max(mine) - min(mine) <= qkv, loads
     assert imbalance(dict(loads)) <= 1.1, loads
     assert max(loads.values()) <= 0.55 * max(Counter(
-        {r: sum(s.nbytes for s in old.values() if s.source_rank == r) for r in (0, 2)}).values())
+        {r: sum(s.nbytes for s in old.values() if s.source_rank == r)
+         for r in stage_sources}).values())
     assert_same_bits(_tensors(spread), _tensors(stage))
 
 
@@ -119,6 +152,24 @@ def test_concurrent_spread_sends_what_stage_sends(pool, layout: Layout) -> None:
     for spec in _specs(spread[0]):
         loads[spec.source_rank] += spec.nbytes
     assert sorted(loads) == [0, 1, 2, 3] and imbalance(dict(loads)) <= 1.1, loads
+    assert_same_bits(_tensors(spread), _tensors(stage))
+
+
+@pytest.mark.slow
+def test_concurrent_etp2_edp2_gathers_in_the_chosen_replica(pool) -> None:
+    """Expert-TP 2 x expert-DP 2 (TP2, EP1): both replicas' owners (expert-TP rank 0: ranks 0
+    and 2) send experts, each gathered by its source's expert-TP group only; their expert-TP
+    peers send dense tensors only, so the sources stay uneven, as V3's ETP2 row."""
+    layout = Layout("qwen3_moe", tp=2)
+    spread = pool.run(refit_job, layout, 8)
+    stage = pool.run(refit_job, layout, 8, torch.float32, "stage")
+    specs, loads = _specs(spread[0]), Counter()
+    for spec in specs:
+        loads[spec.source_rank] += spec.nbytes
+    assert sorted({s.source_rank for s in specs if _EXPERT.search(s.name)}) == [0, 2]
+    assert sorted(loads) == [0, 1, 2, 3]
+    qkv = sum(s.nbytes for s in specs if re.match(r"model\.layers\.0\.self_attn\.[qkv]_", s.name))
+    assert abs(loads[0] - loads[2]) <= qkv and abs(loads[1] - loads[3]) <= qkv, loads
     assert_same_bits(_tensors(spread), _tensors(stage))
 
 
@@ -184,7 +235,8 @@ def refit_rank(rank: int, world: int, port: int, layout: Layout, trainer_port: i
 
 
 @pytest.mark.parametrize("layout", [
-    PP2EP2, pytest.param(Layout("qwen3_moe", tp=2, ep=2), marks=pytest.mark.slow)],
+    PP2EP2, PLANS["ep2 edp2"][0],
+    pytest.param(Layout("qwen3_moe", tp=2, ep=2), marks=pytest.mark.slow)],
     ids=lambda lay: lay.label)
 def test_concurrent_refit_lands_what_stage_lands(monkeypatch, layout: Layout) -> None:
     """4 Megatron trainers refit 2 plain receivers over gloo, once per `sources` mode."""
