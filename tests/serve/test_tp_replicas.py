@@ -12,12 +12,14 @@ server does. Then trainers killed mid-refit, with and without the undo log (`-k 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
 import requests
+import torch
 
 from common.clients.fleet import EngineFleet
 from common.clients.serve import VllmServer
@@ -26,7 +28,9 @@ from common.plan import RefitPlan
 from common.source import DictWeightSource
 from common.transfer.sender import RefitSender
 from common.wire.group import RefitGroup, free_port
+from recipes.rank_runner import run_ranks
 from tests.dtensor_vllm.helpers import perturb
+from tests.multiproc import expect_ok
 from tests.serve.conftest import PROMPTS, SHORT, TIMEOUT_S, serve_config, timed
 from tests.serve.test_survives import Served, run_cycles
 from tests.test_concurrent_sources import QuarterSources
@@ -184,6 +188,87 @@ def test_concurrent_sources_tp2_dp2_refit_like_a_fresh_tp2_engine(checkpoints, w
         finally:
             for sender in senders:
                 sender.group.destroy()
+
+
+def _stage_trainer(rank: int, world: int, port: int, dist_port: int,
+                   versions: list[tuple[int, dict]]) -> dict:
+    """One rank of 2 pipeline stages x FSDP2 dp 2 (transformers' split): each version's
+    weights copied into its shards, then refit."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    from dtensor_refit import DTensorWeightSource, DtypePolicy
+    from tests.dtensor.split import TRAINERS, Layout, build_layout
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
+                            world_size=TRAINERS)
+    try:
+        parts = build_layout(Layout("pp_hf"))
+        source = DTensorWeightSource(parts, DtypePolicy(torch.bfloat16))
+        group = RefitGroup(host="127.0.0.1", port=port, rank=rank, world_size=world,
+                           num_trainers=TRAINERS, timeout_s=TIMEOUT_S, device="cpu")
+        sender = RefitSender.setup(group, RefitPlan.build(
+            source.plan_specs(), RefitConfig(bucket_bytes=64 << 10, delta=True,
+                                             undo_bytes=64 << 20)))
+        out = {}
+        for version, state in versions:
+            with torch.no_grad():
+                for part in parts:
+                    for name, p in part.named_parameters():
+                        full = state[name].float()
+                        p.to_local().copy_(distribute_tensor(full, p.device_mesh,
+                                                             p.placements).to_local())
+            stats = sender.refit(source, version)
+            out[version] = {"sources": stats.sources, "receivers": stats.receivers}
+        group.destroy()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_concurrent_dtensor_stages_tp2_dp2_refit_like_a_fresh_tp2_engine(checkpoints, want,
+                                                                         replicas) -> None:
+    """Two pipeline stages x FSDP2 dp 2 (4 trainer processes, two sources) into the TP2 x DP2
+    server: whole frames, compact frames, deltas; both replicas generate what a fresh TP2
+    server does, and each TP rank's workers of the two replicas load the same bytes."""
+    from tests.dtensor.split import TRAINERS
+
+    server, before = replicas
+    engine = server.client(timeout_s=TIMEOUT_S)
+    fleet, port, dist_port = EngineFleet([engine]), free_port(), free_port()
+    start, changed = checkpoints.states
+    noisy = dict(start)
+    perturb(noisy, 11)
+    versions = [(11, changed), (12, start), (13, noisy), (14, start)]
+    expected = {11: [want, want], 12: before, 14: before}
+    seen: dict[int, list] = {}
+
+    def drive() -> None:
+        joining.result(TIMEOUT_S * 4)
+        for version, _ in versions:  # the trainers send from their own processes
+            fleet.refit(lambda: None, version)
+            seen[version] = [_greedy(engine, r) for r in range(DP)]
+
+    joining = fleet.join_async("127.0.0.1", port, TRAINERS, timeout_s=TIMEOUT_S * 4)
+    driver = threading.Thread(target=drive)
+    driver.start()
+    res = expect_ok(run_ranks(_stage_trainer, TRAINERS, dist_port, versions, timeout=600,
+                              port=port, group_world=fleet.world_size(TRAINERS)))
+    driver.join(timeout=120)
+    stats = res[0]
+    assert all(stats[v]["sources"] == 2 for v, _ in versions), stats
+    for version, got in seen.items():
+        assert got == expected.get(version, got), f"v{version} differs"
+    assert sorted(seen) == [v for v, _ in versions]
+    workers = sorted(stats[12]["receivers"])
+    sets = {r: stats[12]["receivers"][r]["need_set"] for r in workers}
+    assert sets[workers[0]] == sets[workers[2]] != sets[workers[1]] == sets[workers[3]], sets
+    for version in (13, 14):
+        assert all(t["delta_frames"] > 0 for t in stats[version]["receivers"].values())
+    hashes = {v: {r: t["loaded_hash"] for r, t in stats[v]["receivers"].items()}
+              for v in (12, 14)}
+    assert hashes[12] == hashes[14], hashes  # start's bytes, compact then as deltas
+    assert hashes[12][workers[0]] == hashes[12][workers[2]] != hashes[12][workers[1]]
 
 
 def test_survives_tp2_dp2_trainers_killed_mid_refit(checkpoints, replicas, tmp_path) -> None:
