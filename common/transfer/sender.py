@@ -156,9 +156,7 @@ class RefitSender(Endpoint):
         self.agree_on_needs(None, f"refit v{version}")
         modes = self.shadows.modes(f"refit v{version}") if self.shadows else {}
         stats.replan_s = time.perf_counter() - t0
-        stats.sources = self.schedule.num_streams
-        stats.source_imbalance = self.schedule.source_imbalance()
-        stats.worker_imbalance = imbalance(self.sharding.worker_bytes())
+        self._stream_stats(stats)
         if self.graphs is not None:  # subgroups made by a re-plan: capture their broadcasts
             self.graphs.start_refit(self.sharding.replans)
         routes = [self.sharding.routes(b) for b in plan.buckets]
@@ -211,6 +209,12 @@ class RefitSender(Endpoint):
             error = RefitError(f"{group.label}: weight source yields more tensors than the plan's "
                                f"{len(plan.specs)}")
         return self.finish(stats, error, t0)
+
+    def _stream_stats(self, stats: RefitStats) -> None:
+        """How many source streams run and how evenly bytes spread over sources and workers."""
+        stats.sources = self.schedule.num_streams
+        stats.source_imbalance = self.schedule.source_imbalance()
+        stats.worker_imbalance = imbalance(self.sharding.worker_bytes())
 
     def _send_frames(self, frame: tuple, routes: list[Route], modes: dict[int, int], table,
                      pending: dict, held: dict, error, stats: RefitStats,
