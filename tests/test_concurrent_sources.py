@@ -290,7 +290,7 @@ def test_concurrent_schedule_takes_sources_in_turn() -> None:
     first = [b.source_rank for b in plan.buckets[:3]]
     assert sorted(first) == [0, 1, 2], first  # taken in turn, not one source's run first
     for s in range(3):
-        mine = [b for b in plan.buckets if sched.stream[b.index] == s]
+        mine = [b for b in plan.buckets if b.source_rank == s]
         names = [n for b in mine for n in plan.names[b.start : b.stop]]
         assert names == sorted(names, key=lambda n: int(n[1:]))  # the source's own order
     assert sched.receive_slots == 6  # 2 buffers x 3 sources

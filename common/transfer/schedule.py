@@ -48,8 +48,7 @@ class Schedule:
     concurrent: bool
     num_buffers: int
     receive_buffers: int  # `RefitConfig.receive_buffers`
-    sources: tuple[int, ...]  # source ranks, in stream order
-    stream: tuple[int, ...]  # bucket index -> its stream (index into `sources`)
+    sources: tuple[int, ...]  # source ranks, one stream each
     position: tuple[int, ...]  # bucket index -> its place in its stream
     source_bytes: dict[int, int]  # source rank -> payload bytes it sends per refit
 
@@ -59,17 +58,14 @@ class Schedule:
         ordered stream, whatever the config says)."""
         sources = tuple(sorted({b.source_rank for b in plan.buckets}))
         concurrent = plan.config.concurrent_sources and subgroups and len(sources) >= 2
-        stream_of = {rank: i for i, rank in enumerate(sources)}
-        counts = [0] * len(sources)
-        stream, position, loads = [], [], dict.fromkeys(sources, 0)
+        position, loads = [], dict.fromkeys(sources, 0)
+        counts = dict.fromkeys(sources, 0)
         for bucket in plan.buckets:
-            i = stream_of[bucket.source_rank]
-            stream.append(i)
-            position.append(counts[i])
-            counts[i] += 1
+            position.append(counts[bucket.source_rank])
+            counts[bucket.source_rank] += 1
             loads[bucket.source_rank] += bucket.nbytes
         return cls(concurrent, plan.config.num_buffers, plan.config.receive_buffers, sources,
-                   tuple(stream), tuple(position), loads)
+                   tuple(position), loads)
 
     @property
     def num_streams(self) -> int:
