@@ -91,8 +91,12 @@ def trainer_job(rank: int, world: int, port: int, case: Case, steps: list[int], 
         try:
             buffers = 1 if mode == "one_buffer" else 2  # 1: each bucket reuses the last's
             delta = dict(delta=True, undo_bytes=64 << 20) if mode == "delta" else {}
+            # one stream: bucket 0's ABORT comes before any other frame (with concurrent
+            # sources another source's frames may be loaded first: docs/refits.md)
+            one = {"concurrent_sources": False} if mode == "drift_first" else {}
             sender = RefitSender.setup(group, RefitPlan.build(specs, RefitConfig(
-                bucket_bytes=BUCKET_BYTES, timeout_s=timeout_s, num_buffers=buffers, **delta)))
+                bucket_bytes=BUCKET_BYTES, timeout_s=timeout_s, num_buffers=buffers, **delta,
+                **one)))
         except Exception as e:  # noqa: BLE001 - compared by the test
             return [(type(e).__name__, str(e))]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
